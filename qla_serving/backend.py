@@ -1,0 +1,71 @@
+"""Which path an op runs: the TileLang kernels or the PyTorch reference.
+
+Decided per (op, device, static configuration) and logged once. A configuration the kernels
+do not support falls back to the reference with one warning naming the reason; with
+``QLA_STRICT=1`` it raises :class:`KernelUnavailable` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("qla_serving")
+
+_warned: set[tuple[str, str]] = set()
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernels cannot run this configuration and strict mode forbids the fallback."""
+
+
+def strict_mode() -> bool:
+    return os.environ.get("QLA_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def device_unsupported_reason(device: torch.device) -> str | None:
+    """Why the kernels cannot run on ``device`` at all, or None when they can."""
+    if device.type != "cuda":
+        return f"tensors are on {device.type}, the kernels need a CUDA device"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"GPU compute capability is {major}.{minor}, the kernels are built for SM90 (Hopper)"
+    if importlib.util.find_spec("tilelang") is None:
+        return "TileLang is not installed (pip install 'qla-serving[gpu]')"
+    return None
+
+
+def config_unsupported_reason(head_k: int, head_v: int, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot run these head dims and activation dtype, or None."""
+    if head_k != 128 or head_v != 128:
+        return f"head dims K={head_k}, V={head_v}; the kernels need K = V = 128"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"activations are {dtype}; the kernels take bfloat16 or float16"
+    return None
+
+
+def unsupported_reason(device: torch.device, head_k: int, head_v: int, dtype: torch.dtype) -> str | None:
+    return device_unsupported_reason(torch.device(device)) or config_unsupported_reason(head_k, head_v, dtype)
+
+
+def use_kernels(op: str, device: torch.device, head_k: int, head_v: int, dtype: torch.dtype) -> bool:
+    """True when ``op`` should run on the kernels; otherwise log once (or raise in strict mode)."""
+    if os.environ.get("QLA_FORCE_REFERENCE") == "1":
+        reason = "QLA_FORCE_REFERENCE=1"
+    else:
+        reason = unsupported_reason(device, head_k, head_v, dtype)
+    if reason is None:
+        return True
+    if strict_mode():
+        raise KernelUnavailable(f"qla-serving {op}: kernels unavailable ({reason}) and QLA_STRICT=1")
+    if (op, reason) not in _warned:
+        _warned.add((op, reason))
+        logger.warning("qla-serving %s: running the PyTorch reference, not the kernels: %s", op, reason)
+    return False

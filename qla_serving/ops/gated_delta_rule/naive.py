@@ -1,0 +1,260 @@
+"""Exact PyTorch references for the gated delta rule; they run on any device, the CPU included.
+
+Two references, side by side with the fast paths (as FLA keeps ``naive.py``):
+
+* :func:`recurrent_gated_delta_rule_ref` — the oracle: token by token, float64.
+* :func:`chunk_gated_delta_rule_ref` — float32, the 64-token WY decomposition the prefill
+  kernels implement (``docs/design.md``). It is the readable spec of the kernels and can
+  return every intermediate so a kernel stage can be checked on its own.
+
+Both take flat varlen inputs (``[T, H, K]`` with ``cu_seqlens``) and keep the state in the
+engines' layout ``[N, HV, V, K]``; the op layer converts shapes and layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_SIZE = 64
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x**2) + eps)`` over the last dim (FLA's definition)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_gate_ref(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, dtype=torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode gate, ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``.
+
+    Args:
+        a: ``[..., HV]``, any float dtype — the per-token decay input.
+        b: ``[..., HV]``, any float dtype — the per-token write-strength input.
+        A_log: ``[HV]`` — the per-head log decay rate.
+        dt_bias: ``[HV]`` — the per-head bias added to ``a``.
+        dtype: the dtype of the computation and of the results.
+
+    Returns:
+        ``(g, beta)``, both ``[..., HV]`` in ``dtype``. Softplus uses threshold 20, as the
+        engines' ``fused_gdn_gating`` does.
+    """
+    x = a.to(dtype) + dt_bias.to(dtype)
+    g = -torch.exp(A_log.to(dtype)) * F.softplus(x, beta=1.0, threshold=20.0)
+    return g, torch.sigmoid(b.to(dtype))
+
+
+def _expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """``[T, H, D] -> [T, HV, D]``: value head ``i`` reads q/k head ``i // (HV // H)``."""
+    return x.repeat_interleave(hv // x.shape[1], dim=1)
+
+
+def _seq_bounds(cu_seqlens: torch.Tensor | None, total: int) -> list[tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(0, total)]
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def num_checkpoints(length: int, every: int | None) -> int:
+    """Checkpoints a sequence of ``length`` tokens writes: the states after ``every, 2*every, ...``."""
+    return 0 if not every else length // every
+
+
+def recurrent_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    checkpoint_every: int | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule: the oracle every other path is judged by.
+
+    Args:
+        q, k: ``[T, H, K]`` — queries and keys of all sequences, concatenated.
+        v: ``[T, HV, V]`` — values; ``HV`` a multiple of ``H``.
+        g: ``[T, HV]`` — log-space decay per token (``<= 0``).
+        beta: ``[T, HV]`` — write strength per token.
+        scale: output scale; ``K ** -0.5`` when None.
+        initial_state: ``[N, HV, V, K]`` or None (zeros) — state before each sequence.
+        cu_seqlens: ``[N + 1]`` integer offsets of the sequences in ``T``; None means one sequence.
+        use_qk_l2norm: L2-normalise q and k first.
+        checkpoint_every: if set, also return the state after every ``checkpoint_every`` tokens
+            of each sequence, sequence by sequence.
+        dtype: computation dtype (float64 for the oracle).
+
+    Returns:
+        ``(o [T, HV, V], final_state [N, HV, V, K], checkpoints [C, HV, V, K])`` in ``dtype``.
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q, k = _expand_heads(q, HV), _expand_heads(k, HV)
+    bounds = _seq_bounds(cu_seqlens, T)
+    o = torch.zeros(T, HV, V, dtype=dtype, device=q.device)
+    finals, ckpts = [], []
+    for n, (bos, eos) in enumerate(bounds):
+        if initial_state is None:
+            S = torch.zeros(HV, V, K, dtype=dtype, device=q.device)
+        else:
+            S = initial_state[n].to(dtype).clone()
+        for t in range(bos, eos):
+            S = S * torch.exp(g[t])[:, None, None]
+            pred = torch.einsum("hvk,hk->hv", S, k[t])
+            S = S + torch.einsum("hv,hk->hvk", (v[t] - pred) * beta[t][:, None], k[t])
+            o[t] = torch.einsum("hvk,hk->hv", S, q[t]) * scale
+            if checkpoint_every and (t - bos + 1) % checkpoint_every == 0:
+                ckpts.append(S.clone())
+        finals.append(S)
+    ckpt = torch.stack(ckpts) if ckpts else torch.zeros(0, HV, V, K, dtype=dtype, device=q.device)
+    return o, torch.stack(finals), ckpt
+
+
+@dataclass
+class ChunkIntermediates:
+    """Per-chunk tensors of :func:`chunk_gated_delta_rule_ref`, chunks in sequence order.
+
+    ``g_cum [NC, C, HV]``, ``w [NC, C, HV, K]``, ``u [NC, C, HV, V]``, ``v_new [NC, C, HV, V]``
+    and ``h [NC, HV, V, K]`` (the state entering each chunk, engines' layout). A short last
+    chunk is zero-padded to ``C`` rows.
+    """
+
+    g_cum: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    v_new: torch.Tensor
+    h: torch.Tensor
+
+
+def chunk_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    checkpoint_every: int | None = None,
+    chunk_size: int = CHUNK_SIZE,
+    return_intermediates: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
+    """Chunked (WY) gated delta rule in float32 — the kernels' algorithm, written plainly.
+
+    Arguments and results are those of :func:`recurrent_gated_delta_rule_ref`
+    (``checkpoint_every`` must be a multiple of ``chunk_size``). With
+    ``return_intermediates`` a fourth result, :class:`ChunkIntermediates`, is returned.
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    C = chunk_size
+    if checkpoint_every and checkpoint_every % C:
+        raise ValueError(f"checkpoint_every={checkpoint_every} must be a multiple of the chunk size {C}")
+    scale = K**-0.5 if scale is None else scale
+    dev = q.device
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q, k = _expand_heads(q, HV), _expand_heads(k, HV)
+    o = torch.zeros(T, HV, V, dtype=dtype, device=dev)
+    finals, ckpts = [], []
+    inter = {name: [] for name in ("g_cum", "w", "u", "v_new", "h")}
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=dev), -1)
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=dev))
+    eye = torch.eye(C, dtype=dtype, device=dev)
+    for n, (bos, eos) in enumerate(_seq_bounds(cu_seqlens, T)):
+        # h is the FLA layout [HV, K, V]; the engines' state is its transpose.
+        if initial_state is None:
+            h = torch.zeros(HV, K, V, dtype=dtype, device=dev)
+        else:
+            h = initial_state[n].to(dtype).transpose(-1, -2).clone()
+        for cs in range(bos, eos, C):
+            ce = min(cs + C, eos)
+            L = ce - cs
+            # Zero-padding a short chunk is exact: padded rows have k = v = beta = g = 0.
+            def pad(x):
+                return F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, C - L)) if L < C else x
+
+            qc, kc, vc = (pad(x[cs:ce]).transpose(0, 1) for x in (q, k, v))  # [HV, C, D]
+            gc, bc = (pad(x[cs:ce]).transpose(0, 1) for x in (g, beta))  # [HV, C]
+            G = gc.cumsum(-1)
+            decay = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~incl, float("-inf")))
+            A = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~strict, 0)
+            Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+            w = Tinv @ (kc * (bc * torch.exp(G))[..., None])
+            u = Tinv @ (vc * bc[..., None])
+            v_new = u - w @ h
+            attn = (qc @ kc.transpose(-1, -2)) * decay
+            oc = ((qc * torch.exp(G)[..., None]) @ h + attn @ v_new) * scale
+            o[cs:ce] = oc[:, :L].transpose(0, 1)
+            if return_intermediates:
+                for name, x in (("g_cum", G.T), ("w", w.transpose(0, 1)), ("u", u.transpose(0, 1)),
+                                ("v_new", v_new.transpose(0, 1)), ("h", h.transpose(-1, -2))):
+                    inter[name].append(x.clone())
+            G_last = G[:, -1]
+            h = torch.exp(G_last)[:, None, None] * h + (
+                kc * torch.exp(G_last[:, None] - G)[..., None]
+            ).transpose(-1, -2) @ v_new
+            if checkpoint_every and (ce - bos) % checkpoint_every == 0 and L == C:
+                ckpts.append(h.transpose(-1, -2).clone())
+        finals.append(h.transpose(-1, -2))
+    ckpt = torch.stack(ckpts) if ckpts else torch.zeros(0, HV, V, K, dtype=dtype, device=dev)
+    result = (o, torch.stack(finals), ckpt)
+    if return_intermediates:
+        def cat(name, shape):
+            return torch.stack(inter[name]) if inter[name] else torch.zeros(shape, dtype=dtype, device=dev)
+
+        result += (ChunkIntermediates(
+            g_cum=cat("g_cum", (0, C, HV)), w=cat("w", (0, C, HV, K)), u=cat("u", (0, C, HV, V)),
+            v_new=cat("v_new", (0, C, HV, V)), h=cat("h", (0, HV, V, K)),
+        ),)
+    return result
+
+
+def recurrent_decode_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode oracle: ``T`` tokens for each of ``N`` sequences, gate computed from ``a, b``.
+
+    Args:
+        q, k: ``[N, T, H, K]``; v: ``[N, T, HV, V]``; a, b: ``[N, T, HV]``;
+        A_log, dt_bias: ``[HV]``; initial_state: ``[N, HV, V, K]``.
+
+    Returns:
+        ``(o [N, T, HV, V], states [N, T, HV, V, K])`` in ``dtype``: the output and the state
+        after each token.
+    """
+    N, T = q.shape[:2]
+    g, beta = gdn_gate_ref(a, b, A_log, dt_bias, dtype)
+    cu = torch.arange(0, N * T + 1, T)
+    o, _, states = recurrent_gated_delta_rule_ref(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1),
+        scale=scale, initial_state=initial_state, cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm,
+        checkpoint_every=1, dtype=dtype,
+    )
+    return o.view(N, T, *o.shape[1:]), states.view(N, T, *states.shape[1:])

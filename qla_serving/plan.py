@@ -1,0 +1,143 @@
+"""Host-side prefill planning: built once per batch from CPU lengths, read by every layer.
+
+Like vLLM's attention metadata, a :class:`PrefillPlan` holds every decision and index table
+that depends only on the batch composition (sequence lengths, chunk layout, checkpoint
+slots), so a kernel call neither syncs with the host nor decides anything itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .ops.gated_delta_rule.naive import CHUNK_SIZE
+
+
+@dataclass
+class PrefillPlan:
+    """Chunk layout of one varlen batch.
+
+    Attributes:
+        cu_seqlens_cpu: ``[N + 1]`` int64, CPU — sequence offsets into the token dim.
+        cu_seqlens: ``[N + 1]`` int32 on ``device`` — the same offsets for kernels.
+        chunk_offsets_cpu / chunk_offsets: ``[N + 1]`` int32 — cumulative 64-token chunk
+            counts; sequence ``i`` owns chunks ``chunk_offsets[i] : chunk_offsets[i + 1]``.
+        chunk_indices: ``[num_chunks, 2]`` int32 on ``device`` — ``(sequence, chunk within
+            sequence)`` of every chunk, in order.
+        checkpoint_every: tokens between checkpoints (a multiple of 64) or None.
+        checkpoint_offsets_cpu / checkpoint_offsets: ``[N + 1]`` int32 — sequence ``i``
+            writes its checkpoints to rows ``checkpoint_offsets[i] : checkpoint_offsets[i + 1]``.
+        extras: room for kernel-specific tables derived from the same inputs (AutoCP).
+    """
+
+    cu_seqlens_cpu: torch.Tensor
+    cu_seqlens: torch.Tensor
+    chunk_offsets_cpu: torch.Tensor
+    chunk_offsets: torch.Tensor
+    chunk_indices: torch.Tensor
+    checkpoint_every: int | None
+    checkpoint_offsets_cpu: torch.Tensor
+    checkpoint_offsets: torch.Tensor
+    chunk_size: int = CHUNK_SIZE
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens_cpu.numel() - 1
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.cu_seqlens_cpu[-1])
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.chunk_offsets_cpu[-1])
+
+    @property
+    def num_checkpoints(self) -> int:
+        return int(self.checkpoint_offsets_cpu[-1])
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return self.cu_seqlens_cpu.diff().tolist()
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seq_lens, default=0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+
+def plan_prefill(
+    cu_seqlens_cpu: torch.Tensor | list[int],
+    *,
+    device: torch.device | str | None = None,
+    checkpoint_every: int | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> PrefillPlan:
+    """Build the plan of one prefill batch on the host.
+
+    Args:
+        cu_seqlens_cpu: ``[N + 1]`` non-decreasing integer offsets starting at 0, on the CPU
+            (a list is accepted). Zero-length sequences are allowed and own no chunk.
+        device: where the kernels run; the index tables are copied there once
+            (non-blocking from pinned memory when it is a CUDA device).
+        checkpoint_every: write the state every this many tokens (a positive multiple of
+            ``chunk_size``) for prefix caching; None for no checkpoints.
+        chunk_size: tokens per chunk (64: the kernels' chunk).
+
+    Returns:
+        A :class:`PrefillPlan`.
+    """
+    cu = torch.as_tensor(cu_seqlens_cpu)
+    if cu.device.type != "cpu":
+        raise ValueError(
+            f"plan_prefill needs cu_seqlens on the CPU (got {cu.device}): planning on the host "
+            "avoids a device->host sync in every layer"
+        )
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu.shape)}")
+    if cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu.dtype}")
+    cu = cu.to(torch.int64)
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
+    lens = cu.diff()
+    if bool((lens < 0).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    if cu[-1] >= 2**31:
+        raise ValueError(f"total token count {int(cu[-1])} exceeds the int32 index range")
+    if checkpoint_every is not None and (checkpoint_every <= 0 or checkpoint_every % chunk_size):
+        raise ValueError(f"checkpoint_every={checkpoint_every} must be a positive multiple of {chunk_size}")
+
+    chunks = (lens + chunk_size - 1) // chunk_size
+    chunk_offsets = torch.zeros(cu.numel(), dtype=torch.int32)
+    chunk_offsets[1:] = chunks.cumsum(0)
+    seq_of_chunk = torch.repeat_interleave(torch.arange(lens.numel(), dtype=torch.int32), chunks)
+    chunk_in_seq = torch.arange(seq_of_chunk.numel(), dtype=torch.int32) - chunk_offsets[seq_of_chunk.long()]
+    chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1)
+    ckpt_offsets = torch.zeros(cu.numel(), dtype=torch.int32)
+    if checkpoint_every:
+        ckpt_offsets[1:] = (lens // checkpoint_every).cumsum(0)
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+
+    def to_device(x: torch.Tensor) -> torch.Tensor:
+        if device.type == "cuda":
+            return x.pin_memory().to(device, non_blocking=True)
+        return x.to(device)
+
+    return PrefillPlan(
+        cu_seqlens_cpu=cu,
+        cu_seqlens=to_device(cu.to(torch.int32)),
+        chunk_offsets_cpu=chunk_offsets,
+        chunk_offsets=to_device(chunk_offsets),
+        chunk_indices=to_device(chunk_indices.contiguous()),
+        checkpoint_every=checkpoint_every,
+        checkpoint_offsets_cpu=ckpt_offsets,
+        checkpoint_offsets=to_device(ckpt_offsets),
+        chunk_size=chunk_size,
+    )
