@@ -1,0 +1,285 @@
+"""Chunked prefill of the gated delta rule: FLA-compatible API and the serving (pool) form.
+
+Both run the TileLang kernels where :mod:`qla_serving.backend` allows, and otherwise the
+float32 chunked reference (:mod:`.naive`), saying so once in the log.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import backend
+from ...plan import PrefillPlan, plan_prefill
+from . import checks
+from .naive import CHUNK_SIZE, chunk_gated_delta_rule_ref
+
+
+def _prefill_kernel():
+    """The kernel entry point, or the reason it cannot be imported."""
+    try:
+        from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd
+    except ImportError as e:
+        return None, f"the prefill kernel module does not import ({e})"
+    return chunk_gated_delta_rule_fwd, None
+
+
+def _use_prefill_kernels(q: torch.Tensor, K: int, V: int) -> bool:
+    if not backend.use_kernels("prefill", q.device, K, V, q.dtype):
+        return False
+    fn, reason = _prefill_kernel()
+    if fn is None:
+        if backend.strict_mode():
+            raise backend.KernelUnavailable(f"qla-serving prefill: {reason} and QLA_STRICT=1")
+        backend.logger.warning("qla-serving prefill: running the PyTorch reference: %s", reason)
+        return False
+    return True
+
+
+def _plan_for(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu, T: int, device, checkpoint_every) -> PrefillPlan:
+    if cu_seqlens_cpu is None:
+        # Only the FLA-compatible path gets here without a plan: one sync to read the offsets.
+        cu_seqlens_cpu = cu_seqlens.cpu() if cu_seqlens is not None else torch.tensor([0, T])
+    return plan_prefill(cu_seqlens_cpu, device=device, checkpoint_every=checkpoint_every)
+
+
+def _check_prefill_inputs(q, k, v, g, beta, T: int):
+    """Validate flat ``[T, ...]`` inputs; returns ``(H, HV, K, V)``."""
+    checks.expect_rank("q", q, (3,), "[T, H, K]")
+    H, K = q.shape[1], q.shape[2]
+    checks.expect_shape("k", k, (T, H, K), "[T, H, K], like q")
+    checks.expect_rank("v", v, (3,), "[T, HV, V]")
+    HV, V = v.shape[1], v.shape[2]
+    if v.shape[0] != T:
+        raise ValueError(f"v has {v.shape[0]} tokens but q has {T}")
+    checks.expect_heads(H, HV)
+    checks.expect_shape("g", g, (T, HV), "[T, HV], one log-decay per token and value head")
+    checks.expect_shape("beta", beta, (T, HV), "[T, HV], one write strength per token and value head")
+    checks.expect_dtype("q", q, checks.ACTIVATION_DTYPES)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}: q, k and v must share a dtype")
+    checks.expect_dtype("g", g, (torch.float32, q.dtype))
+    checks.expect_dtype("beta", beta, (torch.float32, q.dtype))
+    checks.expect_same_device(q.device, k=k, v=v, g=g, beta=beta)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.expect_contiguous(name, x)
+    return H, HV, K, V
+
+
+def _flatten_batch(name: str, x: torch.Tensor, rank: int, layout: str) -> torch.Tensor:
+    """``[1, T, ...]`` or ``[T, ...]`` -> ``[T, ...]``."""
+    checks.expect_rank(name, x, (rank, rank + 1), layout)
+    if x.dim() == rank + 1:
+        if x.shape[0] != 1:
+            raise ValueError(f"{name} has batch dim {x.shape[0]}; the varlen form takes [1, T, ...] or [T, ...]")
+        x = x[0]
+    return x
+
+
+def _run_prefill(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_initial_state,
+                 use_qk_l2norm, checkpoints, out) -> None:
+    """Run on validated flat inputs; updates ``state_pool``/``checkpoints``/``out`` in place."""
+    H, K = q.shape[1], q.shape[2]
+    V = v.shape[2]
+    if _use_prefill_kernels(q, K, V):
+        fwd, _ = _prefill_kernel()
+        fwd(q, k, v, g.float() if g.dtype != torch.float32 else g, beta, scale=scale, plan=plan,
+            state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
+            use_qk_l2norm=use_qk_l2norm, checkpoints=checkpoints, out=out)
+        return
+    idx = state_indices.long()
+    init = torch.where(has_initial_state.view(-1, 1, 1, 1), state_pool[idx].float(), 0.0)
+    o, final, ckpt = chunk_gated_delta_rule_ref(
+        q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=plan.cu_seqlens_cpu,
+        use_qk_l2norm=use_qk_l2norm, checkpoint_every=plan.checkpoint_every,
+    )
+    out.copy_(o)
+    state_pool[idx] = final.to(state_pool.dtype)
+    if checkpoints is not None:
+        checkpoints.copy_(ckpt)
+
+
+def chunk_gated_delta_rule_pool(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    plan: PrefillPlan | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    checkpoints: torch.Tensor | None = None,
+    checkpoint_every: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill a varlen batch with the state living in the engine's pool, updated in place.
+
+    Args:
+        q: ``[1, T, H, K]`` or ``[T, H, K]``, bf16/fp16 (fp32 runs the reference) — queries
+            of all sequences, concatenated along T. Contiguous.
+        k: same shape and dtype as ``q`` — keys.
+        v: ``[1, T, HV, V]`` or ``[T, HV, V]``, q's dtype — values; ``HV`` a multiple of ``H``.
+        g: ``[1, T, HV]`` or ``[T, HV]``, float32 (or q's dtype) — log-space decay (``<= 0``).
+        beta: ``[1, T, HV]`` or ``[T, HV]``, float32 or q's dtype — write strength.
+        state_pool: ``[num_slots, HV, V, K]`` float32 or bfloat16 — the engine's state pool,
+            ``[HV, V, K]`` contiguous per slot, any slot stride. Read at ``state_indices`` and
+            overwritten there with each sequence's final state. Other slots are not touched.
+        state_indices: ``[N]`` int32/int64 — the pool slot of each sequence, distinct.
+        cu_seqlens: ``[N + 1]`` int32/int64 on q's device — sequence offsets along T. Not
+            needed when ``plan`` is given.
+        has_initial_state: ``[N]`` bool — read the slot (True) or start from zeros (False);
+            None means all True.
+        scale: output scale, ``K ** -0.5`` when None.
+        use_qk_l2norm_in_kernel: L2-normalise q and k inside the op.
+        plan: the batch's :class:`~qla_serving.plan.PrefillPlan` (built once per batch on the
+            host, shared by every layer). Without it the op builds one, reading
+            ``cu_seqlens_cpu`` or else syncing once to read ``cu_seqlens``.
+        cu_seqlens_cpu: ``[N + 1]`` CPU offsets, used to build the plan when none is given.
+        checkpoints: ``[plan.num_checkpoints, HV, V, K]`` in the pool's dtype, or None —
+            receives the state after every ``checkpoint_every`` tokens of each sequence,
+            sequence by sequence (rows ``plan.checkpoint_offsets[i]:...[i + 1]``).
+        checkpoint_every: tokens between checkpoints, a multiple of 64 (only without ``plan``;
+            a plan carries its own).
+        out: optional ``[T, HV, V]`` output buffer in q's dtype.
+
+    Returns:
+        ``o``: ``[1, T, HV, V]`` or ``[T, HV, V]`` (q's batch form), q's dtype.
+    """
+    batched = q.dim() == 4
+    q = _flatten_batch("q", q, 3, "[1, T, H, K] or [T, H, K]")
+    k = _flatten_batch("k", k, 3, "[1, T, H, K] or [T, H, K]")
+    v = _flatten_batch("v", v, 3, "[1, T, HV, V] or [T, HV, V]")
+    g = _flatten_batch("g", g, 2, "[1, T, HV] or [T, HV]")
+    beta = _flatten_batch("beta", beta, 2, "[1, T, HV] or [T, HV]")
+    T = q.shape[0]
+    H, HV, K, V = _check_prefill_inputs(q, k, v, g, beta, T)
+    checks.expect_pool("state_pool", state_pool, HV, V, K)
+    checks.expect_same_device(q.device, state_pool=state_pool, state_indices=state_indices,
+                              cu_seqlens=cu_seqlens, has_initial_state=has_initial_state,
+                              checkpoints=checkpoints, out=out)
+    if plan is None:
+        if cu_seqlens is None and cu_seqlens_cpu is None:
+            raise ValueError("give plan, cu_seqlens or cu_seqlens_cpu: the pool form is varlen")
+        plan = _plan_for(cu_seqlens, cu_seqlens_cpu, T, q.device, checkpoint_every)
+    elif checkpoint_every is not None and checkpoint_every != plan.checkpoint_every:
+        raise ValueError(f"checkpoint_every={checkpoint_every} disagrees with the plan's {plan.checkpoint_every}")
+    if plan.total_tokens != T:
+        raise ValueError(f"the plan covers {plan.total_tokens} tokens but q has {T}")
+    N = plan.num_seqs
+    checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=False)
+    if has_initial_state is None:
+        has_initial_state = torch.ones(N, dtype=torch.bool, device=q.device)
+    checks.expect_shape("has_initial_state", has_initial_state, (N,), "[N] bool")
+    checks.expect_dtype("has_initial_state", has_initial_state, (torch.bool,))
+    if checkpoints is not None:
+        if not plan.checkpoint_every:
+            raise ValueError("checkpoints given but no checkpoint_every (in the plan or as an argument)")
+        checks.expect_shape("checkpoints", checkpoints, (plan.num_checkpoints, HV, V, K),
+                            "[num_checkpoints, HV, V, K]")
+        if checkpoints.dtype != state_pool.dtype:
+            raise TypeError(f"checkpoints has dtype {checkpoints.dtype}; it must match the pool's {state_pool.dtype}")
+        checks.expect_contiguous("checkpoints", checkpoints)
+    if out is None:
+        out = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
+    else:
+        checks.expect_shape("out", out, (T, HV, V), "[T, HV, V]")
+        if out.dtype != q.dtype:
+            raise TypeError(f"out has dtype {out.dtype}; it must match q's {q.dtype}")
+        checks.expect_contiguous("out", out)
+    _run_prefill(q, k, v, g, beta, scale=K**-0.5 if scale is None else scale, plan=plan,
+                 state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
+                 use_qk_l2norm=use_qk_l2norm_in_kernel, checkpoints=checkpoints, out=out)
+    return out.unsqueeze(0) if batched else out
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    plan: PrefillPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FLA-compatible chunked gated delta rule (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``).
+
+    Args:
+        q: ``[B, T, H, K]`` bf16/fp16 (fp32 runs the reference) — queries.
+        k: ``[B, T, H, K]``, q's dtype — keys.
+        v: ``[B, T, HV, V]``, q's dtype — values; ``HV`` a multiple of ``H`` (GVA: value head
+            ``i`` reads q/k head ``i // (HV // H)``).
+        g: ``[B, T, HV]`` — log-space decay per token (``<= 0``), float32 or q's dtype.
+        beta: ``[B, T, HV]`` — write strength, float32 or q's dtype.
+        scale: output scale, ``K ** -0.5`` when None.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), any float
+            dtype, or None for zeros. ``N = B``, or ``len(cu_seqlens) - 1`` in varlen mode.
+        output_final_state: return the final state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k inside the op.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets: varlen mode, which needs ``B == 1``.
+        state_v_first: states in the engines' ``[N, HV, V, K]`` layout instead of FLA's.
+        cu_seqlens_cpu: the same offsets on the CPU, to plan without a device->host sync.
+        plan: a ready :class:`~qla_serving.plan.PrefillPlan` for this batch.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` float32 in
+        the layout of ``initial_state`` (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or None.
+    """
+    checks.expect_rank("q", q, (4,), "[B, T, H, K]")
+    checks.expect_rank("k", k, (4,), "[B, T, H, K]")
+    checks.expect_rank("v", v, (4,), "[B, T, HV, V]")
+    checks.expect_rank("g", g, (3,), "[B, T, HV]")
+    checks.expect_rank("beta", beta, (3,), "[B, T, HV]")
+    B, T = q.shape[:2]
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if tuple(x.shape[:2]) != (B, T):
+            raise ValueError(f"{name} has leading dims {tuple(x.shape[:2])} but q has (B, T) = {(B, T)}")
+    varlen = cu_seqlens is not None or cu_seqlens_cpu is not None or plan is not None
+    if varlen and B != 1:
+        raise ValueError(f"varlen mode (cu_seqlens/plan) needs batch size 1, got B={B}")
+    if not varlen:
+        cu_seqlens_cpu = torch.arange(0, (B + 1) * T, T)
+    H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+    flat = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+    qf, kf, vf, gf, bf = flat
+    if plan is None:
+        if cu_seqlens is not None:
+            checks.expect_rank("cu_seqlens", cu_seqlens, (1,), "[N + 1]")
+            checks.expect_dtype("cu_seqlens", cu_seqlens, checks.INDEX_DTYPES)
+            checks.expect_same_device(q.device, cu_seqlens=cu_seqlens)
+        plan = _plan_for(cu_seqlens, cu_seqlens_cpu, B * T, q.device, None)
+    N = plan.num_seqs
+    if initial_state is not None:
+        layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+        checks.expect_rank("initial_state", initial_state, (4,), layout)
+        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        checks.expect_shape("initial_state", initial_state, want, layout)
+        checks.expect_same_device(q.device, initial_state=initial_state)
+        if not initial_state.dtype.is_floating_point:
+            raise TypeError(f"initial_state must be a float tensor, got {initial_state.dtype}")
+        pool = initial_state if state_v_first else initial_state.transpose(-1, -2)
+        pool = pool.to(torch.float32).contiguous().clone()
+    else:
+        pool = torch.zeros(N, HV, V, K, dtype=torch.float32, device=q.device)
+    o = chunk_gated_delta_rule_pool(
+        qf, kf, vf, gf, bf, pool, torch.arange(N, dtype=torch.int32, device=q.device),
+        has_initial_state=torch.full((N,), initial_state is not None, dtype=torch.bool, device=q.device),
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, plan=plan,
+    )
+    final = None
+    if output_final_state:
+        final = pool if state_v_first else pool.transpose(-1, -2).contiguous()
+    return o.view(B, T, HV, V), final
+
+
+__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_pool", "CHUNK_SIZE"]

@@ -1,0 +1,148 @@
+"""Decode step of the gated delta rule: 1..8 tokens per sequence, state in the pool, gate in the op.
+
+Runs the TileLang decode kernel where :mod:`qla_serving.backend` allows, and otherwise the
+PyTorch reference (float32), saying so once in the log.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import backend
+from . import checks
+from .naive import recurrent_decode_ref
+
+
+def _decode_kernel():
+    try:
+        from qla_serving.kernels.decode import gated_delta_rule_decode_fwd
+    except ImportError as e:
+        return None, f"the decode kernel module does not import ({e})"
+    return gated_delta_rule_decode_fwd, None
+
+
+def _use_decode_kernels(q: torch.Tensor, K: int, V: int) -> bool:
+    if not backend.use_kernels("decode", q.device, K, V, q.dtype):
+        return False
+    fn, reason = _decode_kernel()
+    if fn is None:
+        if backend.strict_mode():
+            raise backend.KernelUnavailable(f"qla-serving decode: {reason} and QLA_STRICT=1")
+        backend.logger.warning("qla-serving decode: running the PyTorch reference: %s", reason)
+        return False
+    return True
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    intermediate_states: torch.Tensor | None = None,
+    inplace_final_state: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step (or up to 8 tokens per sequence, for speculative verify).
+
+    The gate is computed inside: ``g = -exp(A_log) * softplus(a + dt_bias)`` and
+    ``beta = sigmoid(b)``. CUDA-graph capturable on the kernel path (fixed shapes, no sync).
+
+    Args:
+        q: ``[N, H, K]`` (one token) or ``[N, T, H, K]`` (``T <= 8`` tokens), bf16/fp16
+            (fp32 runs the reference) — queries; contiguous.
+        k: q's shape and dtype — keys.
+        v: ``[N, HV, V]`` or ``[N, T, HV, V]``, q's dtype — values; ``HV`` a multiple of ``H``.
+        a: ``[N, HV]`` or ``[N, T, HV]`` — decay input (float dtype).
+        b: a's shape — write-strength input (float dtype).
+        A_log: ``[HV]`` float32 (or bf16) — per-head log decay rate.
+        dt_bias: ``[HV]`` float32 (or bf16) — per-head bias of ``a``.
+        state_pool: ``[num_slots, HV, V, K]`` float32 or bfloat16 — the engine's pool,
+            ``[HV, V, K]`` contiguous per slot, any slot stride; updated in place.
+        state_indices: ``[N]`` int32/int64 — slot of each sequence; ``-1`` marks a padded row
+            (CUDA-graph batches): its state is untouched and its output rows are zero.
+        scale: output scale, ``K ** -0.5`` when None.
+        use_qk_l2norm_in_kernel: L2-normalise q and k inside the op.
+        intermediate_states: optional ``[N, T, HV, V, K]`` in the pool's dtype — receives the
+            state after each token (the engine keeps the accepted prefix).
+        inplace_final_state: write the state after the last token back to the pool. Set
+            False in speculative verify to leave the pool for the engine to update.
+        out: optional output buffer of v's shape and q's dtype.
+
+    Returns:
+        ``o``: v's shape (``[N, HV, V]`` or ``[N, T, HV, V]``), q's dtype.
+    """
+    checks.expect_rank("q", q, (3, 4), "[N, H, K] or [N, T, H, K]")
+    single = q.dim() == 3
+    if single:
+        q, k, v, a, b = (x.unsqueeze(1) if isinstance(x, torch.Tensor) else x for x in (q, k, v, a, b))
+        if out is not None:
+            out = out.unsqueeze(1)
+    N, T, H, K = q.shape
+    checks.expect_shape("k", k, (N, T, H, K), "like q")
+    checks.expect_rank("v", v, (4,), "[N, T, HV, V]")
+    HV, V = v.shape[2], v.shape[3]
+    if tuple(v.shape[:2]) != (N, T):
+        raise ValueError(f"v has leading dims {tuple(v.shape[:2])} but q has (N, T) = {(N, T)}")
+    checks.expect_heads(H, HV)
+    if not 1 <= T <= checks.MAX_DECODE_TOKENS:
+        raise ValueError(f"decode takes 1 to {checks.MAX_DECODE_TOKENS} tokens per sequence, got T={T}")
+    checks.expect_shape("a", a, (N, T, HV), "[N, (T,) HV]")
+    checks.expect_shape("b", b, (N, T, HV), "[N, (T,) HV]")
+    checks.expect_shape("A_log", A_log, (HV,), "[HV]")
+    checks.expect_shape("dt_bias", dt_bias, (HV,), "[HV]")
+    checks.expect_dtype("q", q, checks.ACTIVATION_DTYPES)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}: q, k and v must share a dtype")
+    for name, x in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        checks.expect_dtype(name, x, checks.ACTIVATION_DTYPES)
+    checks.expect_pool("state_pool", state_pool, HV, V, K)
+    checks.expect_same_device(q.device, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                              state_pool=state_pool, state_indices=state_indices,
+                              intermediate_states=intermediate_states, out=out)
+    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        checks.expect_contiguous(name, x)
+    checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True)
+    if intermediate_states is not None:
+        checks.expect_shape("intermediate_states", intermediate_states, (N, T, HV, V, K), "[N, T, HV, V, K]")
+        if intermediate_states.dtype != state_pool.dtype:
+            raise TypeError(f"intermediate_states has dtype {intermediate_states.dtype}; "
+                            f"it must match the pool's {state_pool.dtype}")
+        checks.expect_contiguous("intermediate_states", intermediate_states)
+    if out is None:
+        out = torch.empty(N, T, HV, V, dtype=q.dtype, device=q.device)
+    else:
+        checks.expect_shape("out", out, (N, T, HV, V), "v's shape")
+        if out.dtype != q.dtype:
+            raise TypeError(f"out has dtype {out.dtype}; it must match q's {q.dtype}")
+        checks.expect_contiguous("out", out)
+    scale = K**-0.5 if scale is None else scale
+
+    if _use_decode_kernels(q, K, V):
+        fwd, _ = _decode_kernel()
+        fwd(q, k, v, a, b, A_log, dt_bias, state_pool=state_pool, state_indices=state_indices, scale=scale,
+            use_qk_l2norm=use_qk_l2norm_in_kernel, out=out, intermediate_states=intermediate_states,
+            inplace_final_state=inplace_final_state)
+    else:
+        live = state_indices >= 0
+        slots = state_indices.long().clamp(min=0)
+        init = torch.where(live.view(-1, 1, 1, 1), state_pool[slots].float(), 0.0)
+        o, states = recurrent_decode_ref(q, k, v, a, b, A_log, dt_bias, init, scale=scale,
+                                         use_qk_l2norm=use_qk_l2norm_in_kernel, dtype=torch.float32)
+        out.copy_(torch.where(live.view(-1, 1, 1, 1), o, 0.0))
+        if intermediate_states is not None:
+            rows = live.nonzero().squeeze(1)
+            intermediate_states[rows] = states[rows].to(intermediate_states.dtype)
+        if inplace_final_state:
+            state_pool[slots[live]] = states[live, -1].to(state_pool.dtype)
+    return out.squeeze(1) if single else out
+
+
+__all__ = ["gated_delta_rule_decode"]
