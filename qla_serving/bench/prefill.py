@@ -1,0 +1,185 @@
+"""``qla-serving bench prefill``: our chunked GDN prefill vs FLA 0.6.0 and FlashInfer 0.6.14.
+
+Runs the issue's grid (head configs x batches) on one GPU, every implementation on the same
+inputs, eager (host overhead counted, as an engine running eagerly pays it) and inside a
+CUDA graph, and writes ``e2e_bench/results/<date>-<gpu>-prefill.{json,md}``. Each cell also
+gets a roofline floor row (impl ``floor``): FLOPs at the measured bf16 rate or bytes at the
+measured copy bandwidth, whichever is larger.
+
+What each implementation is timed doing (bf16 activations, Qwen-style gates, q/k L2 norm
+in the kernel, fp32 states, every sequence with an initial state):
+
+* ``qla``: ``chunk_gated_delta_rule_fwd`` on an fp32 state pool in place, plan built once
+  outside the timed region (as every layer of a forward pass reuses it).
+* ``fla``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (``FLA_FLASH_QLA=0``), with
+  ``cu_seqlens_cpu`` given, initial state ``[N, HV, K, V]`` and final state returned.
+* ``flashinfer``: ``flashinfer.gdn_prefill.chunk_gated_delta_rule`` with precomputed
+  ``alpha = exp(g)`` and fp32 beta (its input contract), fp32 initial and output state.
+"""
+
+import argparse
+import math
+import os
+import sys
+import traceback
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")  # before fla is imported: FLA's own Triton path
+
+import torch
+
+from . import common
+
+HEAD_CONFIGS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (8, 24), (16, 16)]
+BATCHES = ["1x32768", "1x8192", "1x2048", "24576+8192", "8x4096", "8x1024"]
+IMPLS = ["qla", "fla", "flashinfer"]
+K = V = 128
+
+
+def batch_lens(batch: str) -> list[int]:
+    """``"8x4096"`` -> eight 4096s; ``"24576+8192"`` -> [24576, 8192]."""
+    lens = []
+    for part in batch.split("+"):
+        n, _, length = part.rpartition("x")
+        lens += [int(length)] * (int(n) if n else 1)
+    return lens
+
+
+def make_inputs(lens, hqk, hv, dtype=torch.bfloat16):
+    T = sum(lens)
+    dev = "cuda"
+    q = torch.randn(T, hqk, K, device=dev, dtype=dtype)
+    k = torch.randn(T, hqk, K, device=dev, dtype=dtype)
+    v = torch.randn(T, hv, V, device=dev, dtype=dtype)
+    a, b = torch.randn(T, hv, device=dev), torch.randn(T, hv, device=dev)
+    A_log = torch.empty(hv, device=dev).uniform_(0.0, 1.5)
+    dt_bias = torch.empty(hv, device=dev).uniform_(-3.0, 0.0)
+    g = -torch.exp(A_log) * torch.nn.functional.softplus(a + dt_bias)
+    beta = torch.sigmoid(b).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
+    h0 = torch.randn(len(lens), hv, V, K, device=dev) * 0.1  # [N, HV, V, K]
+    return dict(q=q, k=k, v=v, g=g.contiguous(), beta=beta, cu=cu, h0=h0)
+
+
+def roofline_ms(lens, hqk, hv, tflops, copy_gbs) -> float:
+    chunks = sum(math.ceil(n / 64) for n in lens)
+    C = 64
+    # per chunk and value head: k k^T, T (beta k), T (beta v), q k^T, attn v' (C x C x 128 each)
+    # and w h, the state update, (q exp(G)) h (C x 128 x 128 each)
+    flops = chunks * hv * 2 * (5 * C * C * K + 3 * C * K * V)
+    T = sum(lens)
+    nbytes = T * (2 * hqk * K * 2 + hv * V * 2 * 2 + hv * (4 + 2)) + len(lens) * hv * V * K * 4 * 2
+    return 1e3 * max(flops / (tflops * 1e12), nbytes / (copy_gbs * 1e9))
+
+
+def runner_qla(x, hqk, hv):
+    from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd, warmup
+    from qla_serving.plan import plan_prefill
+
+    warmup(hqk, hv, dtype=x["q"].dtype, beta_dtype=x["beta"].dtype, pool_dtype=torch.float32, use_qk_l2norm=True)
+    N = len(x["cu"]) - 1
+    plan = plan_prefill(x["cu"], device="cuda")
+    pool = torch.empty(N + 1, hv, V, K, device="cuda")
+    idx = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
+    has_init = torch.ones(N, dtype=torch.bool, device="cuda")
+    out = torch.empty_like(x["v"])
+    pool[1:].copy_(x["h0"])  # the state then evolves in place call after call (decays keep it bounded)
+
+    def fn():
+        chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, plan=plan,
+                                   state_pool=pool, state_indices=idx, has_initial_state=has_init,
+                                   use_qk_l2norm=True, out=out)
+
+    return fn
+
+
+def runner_fla(x, hqk, hv):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    q, k, v = (t.unsqueeze(0) for t in (x["q"], x["k"], x["v"]))
+    g, beta = x["g"].unsqueeze(0), x["beta"].unsqueeze(0)
+    cu = x["cu"].to("cuda")
+    h0 = x["h0"].transpose(-1, -2).contiguous()  # FLA's [N, HV, K, V]
+
+    def fn():
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, initial_state=h0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=x["cu"])
+
+    return fn
+
+
+def runner_flashinfer(x, hqk, hv):
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule
+
+    alpha = torch.exp(x["g"])
+    beta = x["beta"].float()
+    cu = x["cu"].to("cuda")
+    out = torch.empty_like(x["v"])
+    state = torch.empty_like(x["h0"])
+
+    def fn():
+        return chunk_gated_delta_rule(x["q"], x["k"], x["v"], alpha, beta, scale=K**-0.5, initial_state=x["h0"],
+                                      output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                                      output=out, output_state=state)
+
+    return fn
+
+
+RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="qla-serving bench prefill", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", nargs="*", default=None, help="subset of head configs, e.g. 2/8 16/64")
+    ap.add_argument("--batches", nargs="*", default=None, help=f"subset of {BATCHES}")
+    ap.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS)
+    ap.add_argument("--modes", nargs="*", default=["eager", "graph"], choices=["eager", "graph"])
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--out-dir", default=None, help="where the results go (default e2e_bench/results)")
+    args = ap.parse_args(argv)
+    heads = HEAD_CONFIGS if args.heads is None else [tuple(map(int, h.split("/"))) for h in args.heads]
+    batches = BATCHES if args.batches is None else args.batches
+
+    meta = common.machine_meta()
+    meta["command"] = " ".join(["qla-serving", "bench", "prefill", *(argv if argv is not None else sys.argv[1:])])
+    rows, notes = [], []
+    for hqk, hv in heads:
+        for batch in batches:
+            lens = batch_lens(batch)
+            torch.manual_seed(0)
+            x = make_inputs(lens, hqk, hv)
+            cell = dict(op="prefill", hqk=hqk, hv=hv, batch=batch)
+            floor = roofline_ms(lens, hqk, hv, meta["bf16_tflops"], meta["copy_gbs"])
+            for mode in args.modes:
+                rows.append(dict(cell, impl="floor", mode=mode, ms=round(floor, 4)))
+            for impl in args.impls:
+                try:
+                    fn = RUNNERS[impl](x, hqk, hv)
+                except Exception as e:  # a library missing on this machine: say so, go on
+                    notes.append(f"{impl} {hqk}/{hv} {batch}: unavailable ({type(e).__name__}: {e})")
+                    continue
+                for mode in args.modes:
+                    try:
+                        ms = common.median_ms(fn, iters=args.iters, graph=(mode == "graph"))
+                    except Exception as e:
+                        notes.append(f"{impl} {hqk}/{hv} {batch} {mode}: failed ({type(e).__name__}: {str(e)[:200]})")
+                        traceback.print_exc(limit=2)
+                        torch.cuda.synchronize()
+                        continue
+                    rows.append(dict(cell, impl=impl, mode=mode, ms=round(ms, 4)))
+                    print(f"{hqk}/{hv} {batch:>11} {impl:>10} {mode:>5} {ms:8.3f} ms  (floor {floor:.3f})", flush=True)
+                del fn
+            del x
+            torch.cuda.empty_cache()
+
+    path = common.results_path("prefill", meta["gpu"], args.out_dir)
+    note_text = "\n".join(["Rows `floor`: roofline floor of the cell (max of FLOPs / measured bf16 rate and "
+                           "minimal bytes / measured copy bandwidth); `floor/qla` is the fraction of it reached.",
+                           "qla and fla include the l2 norm; flashinfer gets precomputed exp(g) and fp32 beta.",
+                           *[f"- {n}" for n in notes]])
+    common.write_results(path, meta, rows, ["hqk", "hv", "batch"], [*args.impls, "floor"], notes=note_text)
+    print(path.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

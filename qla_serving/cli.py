@@ -1,0 +1,208 @@
+"""``qla-serving``: check the ops on this machine, show what runs where, run the benchmarks.
+
+    qla-serving check          # ops vs the float64 oracle on a Qwen3.5-27B-shaped batch
+    qla-serving info           # versions, device, and which path each op takes
+    qla-serving bench prefill  # GPU benchmarks (see qla_serving.bench)
+    qla-serving bench decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import backend
+from .ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
+from .ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_decode_ref, recurrent_gated_delta_rule_ref
+from .plan import plan_prefill
+
+# Qwen3.5-27B at TP1: 16 q/k heads, 48 value heads, head dims 128.
+DEFAULT_HEADS = (16, 48)
+# A mixed varlen batch: the chunk-boundary cases and a longer prompt.
+DEFAULT_LENGTHS = (1, 63, 64, 65, 129, 400)
+
+
+@dataclass
+class CheckRow:
+    op: str
+    case: str
+    path: str
+    rel_err: float
+    tol: float
+    ms: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_err == self.rel_err and self.rel_err <= self.tol  # NaN fails
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _qwen_gates(T: int, HV: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gates as a Qwen GDN layer makes them: A_log in [-4, 1.5], a and b from activations."""
+    A_log = torch.empty(HV, device=device).uniform_(-4, 1.5)
+    dt_bias = torch.randn(HV, device=device) * 0.5
+    g, beta = gdn_gate_ref(torch.randn(T, HV, device=device), torch.randn(T, HV, device=device),
+                           A_log, dt_bias, dtype=torch.float32)
+    return g, beta
+
+
+def _path(op: str, device: torch.device, dtype: torch.dtype) -> str:
+    reason = backend.unsupported_reason(device, 128, 128, dtype)
+    return "reference (PyTorch)" if reason else "TileLang kernels"
+
+
+def _timed(fn):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    result = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result, (time.perf_counter() - t0) * 1e3
+
+
+def run_check(heads=DEFAULT_HEADS, lengths=DEFAULT_LENGTHS, device=None, dtype=None, seed=0) -> list[CheckRow]:
+    """Run prefill, prefill with checkpoints and decode on the best path; compare with the oracle."""
+    H, HV = heads
+    K = V = 128
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    rows = []
+
+    # Prefill in the serving form: scattered pool slots, some sequences with an initial state.
+    N, T = len(lengths), sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q = torch.randn(T, H, K, generator=gen).to(device, dtype)
+    k = torch.randn(T, H, K, generator=gen).to(device, dtype)
+    v = torch.randn(T, HV, V, generator=gen).to(device, dtype)
+    g, beta = _qwen_gates(T, HV, device)
+    num_slots = 3 * N + 16  # room for the decode batch below too
+    pool = (torch.randn(num_slots, HV, V, K, generator=gen) * 0.1).to(device)
+    slots = torch.randperm(num_slots, generator=gen)[:N].to(device, torch.int32)
+    has_init = (torch.arange(N) % 2 == 0).to(device)
+    init = torch.where(has_init.view(-1, 1, 1, 1), pool[slots.long()], 0.0)
+    ckpt_every = 64
+    plan = plan_prefill(cu, device=device, checkpoint_every=ckpt_every)
+    ckpts = torch.empty(plan.num_checkpoints, HV, V, K, device=device)
+    pool_before = pool.clone()
+    o, ms = _timed(lambda: chunk_gated_delta_rule_pool(
+        q, k, v, g, beta, pool, slots, has_initial_state=has_init, use_qk_l2norm_in_kernel=True,
+        plan=plan, checkpoints=ckpts))
+    o_ref, final_ref, ckpt_ref = recurrent_gated_delta_rule_ref(
+        q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=init.cpu(), cu_seqlens=cu,
+        use_qk_l2norm=True, checkpoint_every=ckpt_every)
+    case = f"{H}/{HV} heads, lengths {'+'.join(map(str, lengths))}"
+    path = _path("prefill", device, dtype)
+    rows.append(CheckRow("prefill o", case, path, _rel(o, o_ref), tol, ms))
+    rows.append(CheckRow("prefill final state", case, path, _rel(pool[slots.long()], final_ref), tol, 0.0))
+    rows.append(CheckRow("prefill checkpoints", f"every {ckpt_every} tokens, {plan.num_checkpoints} states",
+                         path, _rel(ckpts, ckpt_ref), tol, 0.0))
+    others = torch.ones(num_slots, dtype=torch.bool)
+    others[slots.long().cpu()] = False
+    untouched = bool(torch.equal(pool.cpu()[others], pool_before.cpu()[others]))
+    rows.append(CheckRow("prefill other slots", "bit-identical", path, 0.0 if untouched else float("inf"), 0.0, 0.0))
+
+    # Decode: one token and a 4-token speculative verify, with a padded row.
+    for T_dec in (1, 4):
+        n = 8
+        qd = torch.randn(n, T_dec, H, K, generator=gen).to(device, dtype)
+        kd = torch.randn(n, T_dec, H, K, generator=gen).to(device, dtype)
+        vd = torch.randn(n, T_dec, HV, V, generator=gen).to(device, dtype)
+        a = torch.randn(n, T_dec, HV, generator=gen).to(device, dtype)
+        b = torch.randn(n, T_dec, HV, generator=gen).to(device, dtype)
+        A_log = torch.empty(HV).uniform_(-4, 1.5, generator=gen).to(device)
+        dt_bias = (torch.randn(HV, generator=gen) * 0.5).to(device)
+        idx = torch.randperm(num_slots, generator=gen)[:n].to(device, torch.int32)
+        idx[-1] = -1
+        live = idx >= 0
+        init = torch.where(live.view(-1, 1, 1, 1), pool[idx.long().clamp(min=0)], 0.0)
+        inter = torch.empty(n, T_dec, HV, V, K, device=device)
+        od, ms = _timed(lambda: gated_delta_rule_decode(qd, kd, vd, a, b, A_log, dt_bias, pool, idx,
+                                                        intermediate_states=inter))
+        o_ref, s_ref = recurrent_decode_ref(qd.cpu(), kd.cpu(), vd.cpu(), a.cpu(), b.cpu(), A_log.cpu(),
+                                            dt_bias.cpu(), init.cpu())
+        lv = live.cpu()
+        case = f"{H}/{HV} heads, {n} seqs x {T_dec} token(s), 1 padded"
+        path = _path("decode", device, dtype)
+        rows.append(CheckRow("decode o", case, path, _rel(od.cpu()[lv], o_ref[lv]), tol, ms))
+        rows.append(CheckRow("decode states", case, path, _rel(inter.cpu()[lv], s_ref[lv]), tol, 0.0))
+    return rows
+
+
+def format_table(rows: list[CheckRow]) -> str:
+    head = ("op", "case", "path", "rel err", "tol", "ms", "")
+    body = [(r.op, r.case, r.path, f"{r.rel_err:.2e}", f"{r.tol:.0e}", f"{r.ms:.1f}" if r.ms else "",
+             "ok" if r.ok else "FAIL") for r in rows]
+    widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*b) for b in body)])
+
+
+def _cmd_check(args) -> int:
+    heads = tuple(int(x) for x in args.heads.split("/"))
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
+    device = torch.device(args.device) if args.device else None
+    print(f"qla-serving check: torch {torch.__version__}, device {device or ('cuda' if torch.cuda.is_available() else 'cpu')}")
+    rows = run_check(heads, lengths, device, dtype, args.seed)
+    print(format_table(rows))
+    failed = [r for r in rows if not r.ok]
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def _cmd_info(args) -> int:
+    from .bench.common import library_versions
+
+    for name, version in library_versions().items():
+        print(f"{name:20s} {version}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        print(f"{'gpu':20s} {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
+    reason = backend.unsupported_reason(device, 128, 128, torch.bfloat16)
+    print(f"{'path (bf16, K=V=128)':20s} {'TileLang kernels' if reason is None else 'PyTorch reference: ' + reason}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    module = importlib.import_module(f"qla_serving.bench.{args.op}")
+    return int(module.main(args.rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qla-serving", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("check", help="run the ops on the best available path and compare with the float64 oracle")
+    p.add_argument("--heads", default=f"{DEFAULT_HEADS[0]}/{DEFAULT_HEADS[1]}", help="Hqk/Hv (default: Qwen3.5-27B TP1)")
+    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="prefill sequence lengths")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="activation dtype (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_cmd_check)
+    p = sub.add_parser("info", help="versions, device and the path each op takes")
+    p.set_defaults(fn=_cmd_info)
+    p = sub.add_parser("bench", help="GPU benchmarks, side by side with FLA and FlashInfer")
+    p.add_argument("op", choices=["prefill", "decode"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see bench OP --help)")
+    p.set_defaults(fn=_cmd_bench)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Random inputs for the tests: fresh on every run (the seed comes from conftest)."""
+
+from __future__ import annotations
+
+import torch
+
+from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
+
+GATE_MODES = ("zero", "mild", "qwen", "strong")
+
+
+def make_gates(T: int, HV: int, mode: str, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g, beta)`` ``[T, HV]``: no decay, mild decay, Qwen-style gates, or -20 per token."""
+    beta = torch.rand(T, HV, dtype=dtype)
+    if mode == "zero":
+        g = torch.zeros(T, HV, dtype=dtype)
+    elif mode == "mild":
+        g = -torch.rand(T, HV, dtype=dtype) * 0.1
+    elif mode == "strong":
+        g = -torch.rand(T, HV, dtype=dtype) * 19 - 1  # -1 .. -20
+        g[:, 0] = -20.0
+    elif mode == "qwen":
+        A_log = torch.empty(HV, dtype=dtype).uniform_(-4, 1.5)
+        g, beta = gdn_gate_ref(torch.randn(T, HV, dtype=dtype), torch.randn(T, HV, dtype=dtype), A_log,
+                               torch.randn(HV, dtype=dtype) * 0.5, dtype)
+    else:
+        raise ValueError(mode)
+    return g, beta
+
+
+def make_qkv(T: int, H: int, HV: int, K: int, V: int, dtype=torch.float64):
+    return (torch.randn(T, H, K, dtype=dtype), torch.randn(T, H, K, dtype=dtype), torch.randn(T, HV, V, dtype=dtype))
+
+
+def cu_of(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()])
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))

@@ -1,0 +1,179 @@
+"""The TileLang decode kernel against the float64 oracle ``recurrent_decode_ref``.
+
+Fresh random inputs every run. Each case poisons the outputs (NaN) first, so an unwritten
+element fails, and checks: outputs and states of live rows against the oracle, padded rows
+(index -1) with zero output and untouched state and intermediates, every other slot and the
+gap bytes of a strided pool bit-identical.
+"""
+
+import math
+
+import pytest
+import torch
+
+from qla_serving.ops.gated_delta_rule.naive import recurrent_decode_ref
+
+pytestmark = pytest.mark.gpu
+
+K = V = 128
+
+
+def _fwd():
+    from qla_serving.kernels import decode
+
+    return decode
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    assert torch.isfinite(x).all(), "non-finite values (an unwritten element or an overflow)"
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make_inputs(N, T, H, HV, act, gate_dtype=torch.float32, l2=True):
+    dev = "cuda"
+    scale_qk = 1.0 if l2 else K**-0.5  # without the L2 norm keep |k| ~ 1 so the state stays bounded
+    q = (torch.randn(N, T, H, K, device=dev) * scale_qk).to(act)
+    k = (torch.randn(N, T, H, K, device=dev) * scale_qk).to(act)
+    v = torch.randn(N, T, HV, V, device=dev).to(act)
+    a = torch.randn(N, T, HV, device=dev).to(act)
+    b = torch.randn(N, T, HV, device=dev).to(act)
+    A_log = torch.empty(HV, device=dev).uniform_(0, math.log(16)).to(gate_dtype)
+    dt_bias = (torch.randn(HV, device=dev) * 0.5).to(gate_dtype)
+    return q, k, v, a, b, A_log, dt_bias
+
+
+def make_pool(num_slots, HV, dtype, gap):
+    """A pool whose slots sit ``gap`` elements apart beyond HV*V*K (vLLM's shared buffer)."""
+    per_slot = HV * V * K
+    buf = torch.randn(num_slots, per_slot + gap, device="cuda").to(dtype)
+    return buf, buf[:, gap:].view(num_slots, HV, V, K) if gap else buf.view(num_slots, HV, V, K)
+
+
+def run_case(N, T, H, HV, pool_dtype, act=torch.bfloat16, *, gap=0, pad=0, inter=False, inplace=True, l2=True,
+             idx_dtype=torch.int32, gate_dtype=torch.float32):
+    dec = _fwd()
+    num_slots = N + 3
+    q, k, v, a, b, A_log, dt_bias = make_inputs(N, T, H, HV, act, gate_dtype, l2)
+    buf, pool = make_pool(num_slots, HV, pool_dtype, gap)
+    before = buf.clone()
+    slots = torch.randperm(num_slots, device="cuda")[:N]
+    if pad:
+        slots[torch.randperm(N, device="cuda")[:pad]] = -1
+    idx = slots.to(idx_dtype)
+    live = slots >= 0
+    out = torch.full((N, T, HV, V), float("nan"), device="cuda", dtype=act)
+    inter_buf = torch.full((N, T, HV, V, K), float("nan"), device="cuda", dtype=pool_dtype) if inter else None
+    scale = K**-0.5
+    init = pool[slots.clamp_min(0).long()].clone()
+    dec.gated_delta_rule_decode_fwd(q, k, v, a, b, A_log, dt_bias, state_pool=pool, state_indices=idx,
+                                    scale=scale, use_qk_l2norm=l2, out=out, intermediate_states=inter_buf,
+                                    inplace_final_state=inplace)
+    torch.cuda.synchronize()
+    o_ref, states_ref = recurrent_decode_ref(q, k, v, a, b, A_log, dt_bias, init, scale=scale, use_qk_l2norm=l2)
+
+    o_tol = 1e-2 if act != torch.float32 else 1e-4
+    state_tol = 1e-4 if pool_dtype == torch.float32 else 1e-2
+    if live.any():
+        assert rel_err(out[live], o_ref[live]) < o_tol
+    assert (out[~live] == 0).all(), "padded rows must have zero output"
+    if inter:
+        if live.any():
+            assert rel_err(inter_buf[live], states_ref[live]) < state_tol
+        assert torch.isnan(inter_buf[~live].float()).all(), "padded rows' intermediates must stay untouched"
+    live_slots = slots[live].long()
+    if inplace and live.any():
+        assert rel_err(pool[live_slots], states_ref[live, -1]) < state_tol
+    # Every element the kernel had no business writing is bit-identical.
+    touched = torch.zeros(num_slots, dtype=torch.bool, device="cuda")
+    if inplace:
+        touched[live_slots] = True
+    assert torch.equal(buf[~touched], before[~touched]), "untouched slots changed"
+    if gap:
+        assert torch.equal(buf[:, :gap], before[:, :gap]), "bytes between slots changed"
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,HV", [(16, 64), (2, 8), (4, 12)])
+def test_single_token(pool_dtype, H, HV):
+    run_case(N=9, T=1, H=H, HV=HV, pool_dtype=pool_dtype)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [2, 3, 5, 8])
+def test_multi_token_with_intermediates(pool_dtype, T):
+    run_case(N=6, T=T, H=4, HV=16, pool_dtype=pool_dtype, inter=True, pad=1)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_verify_leaves_pool_alone(pool_dtype):
+    # Speculative verify: intermediates only, pool untouched (the engine keeps the accepted prefix).
+    run_case(N=5, T=4, H=2, HV=8, pool_dtype=pool_dtype, inter=True, inplace=False)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_padded_rows_and_strided_pool(pool_dtype):
+    run_case(N=40, T=1, H=16, HV=32, pool_dtype=pool_dtype, pad=13, gap=4 * 1024 + 8)
+
+
+def test_all_rows_padded():
+    run_case(N=4, T=2, H=2, HV=8, pool_dtype=torch.float32, pad=4, inter=True)
+
+
+def test_fp16_int64_indices_bf16_gate_no_l2norm():
+    run_case(N=7, T=2, H=2, HV=8, pool_dtype=torch.float32, act=torch.float16, idx_dtype=torch.int64,
+             gate_dtype=torch.bfloat16, l2=False, inter=True)
+
+
+def test_large_batch_fp32():
+    run_case(N=300, T=1, H=16, HV=48, pool_dtype=torch.float32, pad=20)
+
+
+def test_runtime_batch_size_compiles_once():
+    dec = _fwd()
+    dec.warmup(4, 16, 1, dtype=torch.bfloat16, pool_dtype=torch.float32)
+    before = dec.compiled_kernels()
+    for N in (1, 3, 17, 64, 129):
+        run_case(N=N, T=1, H=4, HV=16, pool_dtype=torch.float32)
+    assert dec.compiled_kernels() == before, "a new batch size must not recompile"
+
+
+def test_cuda_graph_capture_and_replay():
+    dec = _fwd()
+    N, T, H, HV = 24, 2, 4, 16
+    act, pool_dtype = torch.bfloat16, torch.float32
+    dec.warmup(H, HV, T, dtype=act, pool_dtype=pool_dtype, intermediate_states=True)
+    compiled = dec.compiled_kernels()
+    inputs = [x.clone() for x in make_inputs(N, T, H, HV, act)]
+    _, pool = make_pool(N + 8, HV, pool_dtype, gap=0)
+    idx = torch.randperm(N + 8, device="cuda")[:N].int()
+    idx[3] = -1
+    out = torch.empty(N, T, HV, V, device="cuda", dtype=act)
+    inter = torch.empty(N, T, HV, V, K, device="cuda", dtype=pool_dtype)
+
+    def step():
+        dec.gated_delta_rule_decode_fwd(*inputs, state_pool=pool, state_indices=idx, scale=K**-0.5,
+                                        use_qk_l2norm=True, out=out, intermediate_states=inter)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):  # new data in the captured buffers each replay
+        for x, y in zip(inputs, make_inputs(N, T, H, HV, act)):
+            x.copy_(y)
+        live = idx >= 0
+        init = pool[idx.clamp_min(0).long()].clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref, st_ref = recurrent_decode_ref(*inputs, init, scale=K**-0.5, use_qk_l2norm=True)
+        assert rel_err(out[live], o_ref[live]) < 1e-2
+        assert (out[~live] == 0).all()
+        assert rel_err(pool[idx[live].long()], st_ref[live, -1]) < 1e-4
+        assert rel_err(inter[live], st_ref[live]) < 1e-4
+    assert dec.compiled_kernels() == compiled

@@ -1,0 +1,166 @@
+"""The public ops on the CPU (reference path) against the float64 oracle."""
+
+import logging
+
+import pytest
+import torch
+
+import qla_serving
+from qla_serving import backend
+from qla_serving.ops.gated_delta_rule.naive import recurrent_decode_ref, recurrent_gated_delta_rule_ref
+
+from helpers import cu_of, make_gates, make_qkv, rel_err
+
+TOL = 2e-5  # float32 reference path vs float64 oracle
+
+
+def _batch(lengths, H=2, HV=4, K=16, V=16, mode="qwen"):
+    T = sum(lengths)
+    q, k, v = make_qkv(T, H, HV, K, V, dtype=torch.float32)
+    g, beta = make_gates(T, HV, mode, dtype=torch.float32)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["fla-layout", "engine-layout"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fla_api_matches_oracle(state_v_first, varlen):
+    B, T, H, HV, K = (1, 150, 2, 6, 16) if varlen else (3, 70, 2, 6, 16)
+    q, k, v, g, beta = _batch([B * T], H, HV, K, K)
+    q4, k4, v4 = (x.view(B, T, *x.shape[1:]) for x in (q, k, v))
+    g3, b3 = g.view(B, T, HV), beta.view(B, T, HV)
+    lengths = [1, 64, 85] if varlen else [T] * B
+    cu = cu_of(lengths)
+    N = len(lengths)
+    h0_engine = torch.randn(N, HV, K, K)
+    h0 = h0_engine if state_v_first else h0_engine.transpose(-1, -2).contiguous()
+    o, final = qla_serving.chunk_gated_delta_rule(
+        q4, k4, v4, g3, b3, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu if varlen else None, state_v_first=state_v_first)
+    o_r, s_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0_engine, cu_seqlens=cu,
+                                                 use_qk_l2norm=True)
+    assert o.shape == (B, T, HV, K) and o.dtype == q.dtype
+    assert final.dtype == torch.float32
+    assert rel_err(o.reshape(-1, HV, K), o_r) <= TOL
+    assert rel_err(final if state_v_first else final.transpose(-1, -2), s_r) <= TOL
+
+
+def test_fla_api_without_state():
+    q, k, v, g, beta = _batch([40])
+    o, final = qla_serving.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None])
+    o_r, _, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta)
+    assert final is None and rel_err(o[0], o_r) <= TOL
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batched", [False, True], ids=["[T,..]", "[1,T,..]"])
+def test_pool_prefill_scattered_slots(pool_dtype, batched):
+    lengths = [65, 1, 128, 30]
+    N, HV, K = len(lengths), 4, 16
+    q, k, v, g, beta = _batch(lengths, 2, HV, K, K)
+    # A pool with a slot stride larger than a slot (engines share the buffer with conv state).
+    backing = torch.randn(12, HV * K * K + 40).to(pool_dtype)
+    pool = backing[:, :HV * K * K].view(12, HV, K, K)
+    before = backing.clone()
+    slots = torch.tensor([9, 2, 7, 4], dtype=torch.int32)  # out of order, scattered
+    has_init = torch.tensor([True, False, True, True])
+    init = torch.where(has_init.view(-1, 1, 1, 1), pool[slots.long()].double(), 0.0)
+    args = (q, k, v, g, beta) if not batched else tuple(x[None] for x in (q, k, v, g, beta))
+    o = qla_serving.chunk_gated_delta_rule_pool(*args, pool, slots, cu_seqlens=cu_of(lengths),
+                                                has_initial_state=has_init, use_qk_l2norm_in_kernel=True)
+    o_r, s_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_of(lengths),
+                                                 use_qk_l2norm=True)
+    assert o.shape == ((1,) if batched else ()) + (sum(lengths), HV, K)
+    assert rel_err(o.reshape(o_r.shape), o_r) <= TOL
+    tol = TOL if pool_dtype == torch.float32 else 1e-2
+    assert rel_err(pool[slots.long()], s_r) <= tol
+    touched = torch.zeros(12, dtype=torch.bool)
+    touched[slots.long()] = True
+    assert torch.equal(backing[~touched], before[~touched])
+    assert torch.equal(backing[:, HV * K * K:], before[:, HV * K * K:])  # the bytes between slots
+
+
+def test_plan_reused_across_layers_and_checkpoints():
+    lengths = [200, 64, 3, 130]
+    HV, K = 4, 16
+    plan = qla_serving.plan_prefill(cu_of(lengths), checkpoint_every=64)
+    assert plan.num_checkpoints == 3 + 1 + 0 + 2
+    slots = torch.tensor([3, 0, 1, 2], dtype=torch.int32)
+    for layer in range(2):  # two layers, one plan
+        q, k, v, g, beta = _batch(lengths, 2, HV, K, K)
+        pool = torch.randn(4, HV, K, K)
+        init = pool[slots.long()].clone()
+        ckpts = torch.full((plan.num_checkpoints, HV, K, K), float("nan"))
+        out = torch.full((sum(lengths), HV, K), float("nan"))
+        o = qla_serving.chunk_gated_delta_rule_pool(q, k, v, g, beta, pool, slots, plan=plan,
+                                                    checkpoints=ckpts, out=out, use_qk_l2norm_in_kernel=True)
+        assert o.data_ptr() == out.data_ptr()
+        o_r, s_r, c_r = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init,
+                                                       cu_seqlens=plan.cu_seqlens_cpu, use_qk_l2norm=True,
+                                                       checkpoint_every=64)
+        assert not torch.isnan(out).any() and not torch.isnan(ckpts).any()
+        assert rel_err(out, o_r) <= TOL and rel_err(ckpts, c_r) <= TOL and rel_err(pool[slots.long()], s_r) <= TOL
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_oracle(T, pool_dtype):
+    N, H, HV, K = 5, 2, 4, 16
+    q, k = torch.randn(N, T, H, K), torch.randn(N, T, H, K)
+    v = torch.randn(N, T, HV, K)
+    a, b = torch.randn(N, T, HV), torch.randn(N, T, HV)
+    A_log, dt_bias = torch.empty(HV).uniform_(-4, 1.5), torch.randn(HV)
+    pool = torch.randn(9, HV, K, K).to(pool_dtype)
+    before = pool.clone()
+    idx = torch.tensor([6, -1, 0, 8, 3], dtype=torch.int32)
+    live = idx >= 0
+    inter = torch.full((N, T, HV, K, K), float("nan")).to(pool_dtype)
+    o = qla_serving.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, idx, intermediate_states=inter)
+    init = torch.where(live.view(-1, 1, 1, 1), before[idx.long().clamp(min=0)].double(), 0.0)
+    o_r, s_r = recurrent_decode_ref(q, k, v, a, b, A_log, dt_bias, init)
+    tol = TOL if pool_dtype == torch.float32 else 1e-2
+    assert rel_err(o[live], o_r[live]) <= tol
+    assert torch.equal(o[~live], torch.zeros_like(o[~live]))  # padded row: zeros
+    assert rel_err(inter[live], s_r[live]) <= tol
+    assert torch.isnan(inter[~live].float()).all()  # padded row: not written
+    assert rel_err(pool[idx[live].long()], s_r[live, -1]) <= tol
+    untouched = torch.ones(9, dtype=torch.bool)
+    untouched[idx[live].long()] = False
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_decode_single_token_shape_and_no_inplace():
+    N, H, HV, K = 3, 1, 2, 16
+    q, k, v = torch.randn(N, H, K), torch.randn(N, H, K), torch.randn(N, HV, K)
+    a, b = torch.randn(N, HV), torch.randn(N, HV)
+    A_log, dt_bias = torch.zeros(HV), torch.zeros(HV)
+    pool = torch.randn(4, HV, K, K)
+    before = pool.clone()
+    inter = torch.empty(N, 1, HV, K, K)
+    o = qla_serving.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, torch.tensor([2, 0, 1]),
+                                            intermediate_states=inter, inplace_final_state=False)
+    assert o.shape == (N, HV, K)
+    assert torch.equal(pool, before)  # verify mode: the engine keeps the accepted prefix itself
+    _, s_r = recurrent_decode_ref(q[:, None], k[:, None], v[:, None], a[:, None], b[:, None], A_log, dt_bias,
+                                  before[[2, 0, 1]])
+    assert rel_err(inter, s_r) <= TOL
+
+
+def test_fallback_logs_once_and_strict_raises(monkeypatch, caplog):
+    backend._warned.clear()
+    q, k, v, g, beta = _batch([10])
+    with caplog.at_level(logging.WARNING, logger="qla_serving"):
+        for _ in range(3):
+            qla_serving.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None])
+    msgs = [r.getMessage() for r in caplog.records if "reference" in r.getMessage()]
+    assert len(msgs) == 1 and "CUDA" in msgs[0]
+    monkeypatch.setenv("QLA_STRICT", "1")
+    with pytest.raises(backend.KernelUnavailable, match="QLA_STRICT"):
+        qla_serving.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None])
+
+
+def test_unsupported_reasons_name_the_constraint():
+    assert "K = V = 128" in backend.config_unsupported_reason(64, 128, torch.bfloat16)
+    assert "K = V = 128" in backend.config_unsupported_reason(128, 256, torch.bfloat16)
+    assert "float32" in backend.config_unsupported_reason(128, 128, torch.float32)
+    assert backend.config_unsupported_reason(128, 128, torch.bfloat16) is None
+    assert "cpu" in backend.unsupported_reason(torch.device("cpu"), 128, 128, torch.bfloat16)

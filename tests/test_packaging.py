@@ -1,0 +1,44 @@
+"""Install layout: kernels/ and integrations/ live under qla_serving, no top-level `kernels`."""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_subpackages_import_under_qla_serving():
+    import qla_serving.integrations
+    import qla_serving.kernels
+
+    assert pathlib.Path(qla_serving.kernels.__file__).parent == ROOT / "kernels"
+    assert pathlib.Path(qla_serving.integrations.__file__).parent == ROOT / "integrations"
+
+
+def test_no_top_level_kernels_module_from_this_project():
+    # Outside the checkout (so the working directory is not on the path).
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
+    origin = out.stdout.strip()
+    assert origin == "None" or not origin.startswith(str(ROOT)), origin
+
+
+def test_every_package_directory_is_listed_in_pyproject():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    mapping = {v: k for k, v in cfg["package-dir"].items()}
+    found = set()
+    for init in ROOT.glob("*/**/__init__.py"):
+        rel = init.parent.relative_to(ROOT)
+        top = rel.parts[0]
+        if top in mapping:
+            found.add(".".join([mapping[top], *rel.parts[1:]]))
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+
+
+def test_console_script_is_installed():
+    assert importlib.util.find_spec("qla_serving.cli") is not None
+    out = subprocess.run(["qla-serving", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "check" in out.stdout

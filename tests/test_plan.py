@@ -1,0 +1,40 @@
+"""The host-side planner."""
+
+import random
+
+import pytest
+import torch
+
+from qla_serving.plan import plan_prefill
+
+
+def test_chunk_tables_cover_every_token():
+    for _ in range(50):
+        lengths = [random.choice([0, 1, 63, 64, 65, random.randint(1, 3000)]) for _ in range(random.randint(1, 12))]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        plan = plan_prefill(cu, checkpoint_every=128)
+        assert plan.num_chunks == sum((L + 63) // 64 for L in lengths)
+        assert plan.num_checkpoints == sum(L // 128 for L in lengths)
+        assert plan.seq_lens == lengths and plan.total_tokens == sum(lengths)
+        seen = []
+        for c, (seq, j) in enumerate(plan.chunk_indices.tolist()):
+            start = int(cu[seq]) + 64 * j
+            assert plan.chunk_offsets_cpu[seq] + j == c and start < cu[seq + 1]
+            seen.extend(range(start, min(start + 64, int(cu[seq + 1]))))
+        assert seen == list(range(sum(lengths)))
+
+
+@pytest.mark.parametrize(
+    "cu,kw,exc,match",
+    [
+        (torch.tensor([0, 5]).cuda() if torch.cuda.is_available() else torch.tensor([0, 5], device="meta"), {},
+         ValueError, "needs cu_seqlens on the CPU"),
+        (torch.tensor([0]), {}, ValueError, "at least 2 entries"),
+        (torch.tensor([0.0, 5.0]), {}, TypeError, "integer tensor"),
+        (torch.tensor([0, 5]), dict(checkpoint_every=32), ValueError, "positive multiple of 64"),
+        (torch.tensor([0, 2**31]), {}, ValueError, "int32 index range"),
+    ],
+)
+def test_plan_bad_input(cu, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        plan_prefill(cu, **kw)

@@ -1,0 +1,256 @@
+"""GPU tests of the TileLang chunked prefill (qla_serving.kernels.chunk_prefill).
+
+Every test draws fresh random inputs (seed printed by conftest on failure) and compares with
+the float64 token-by-token oracle (`recurrent_gated_delta_rule_ref`); the stage test compares
+the kernels' workspaces with the float32 chunked reference's intermediates.
+"""
+
+import random
+
+import pytest
+import torch
+
+from qla_serving.ops.gated_delta_rule.naive import (
+    chunk_gated_delta_rule_ref,
+    gdn_gate_ref,
+    l2norm,
+    recurrent_gated_delta_rule_ref,
+)
+from qla_serving.plan import plan_prefill
+
+K = V = 128
+TOL = 1e-2  # norm-wise relative error vs the float64 oracle
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _make_case(lens, H, HV, *, dtype=torch.bfloat16, beta_dtype=torch.float32, pool_dtype=torch.float32,
+               l2=True, init_frac=0.5, slot_pad=0, extra_slots=3, checkpoint_every=None):
+    """Random inputs, a pool with extra (untouched) slots and the plan of one batch."""
+    dev = "cuda"
+    T = sum(lens)
+    N = len(lens)
+    q = torch.randn(T, H, K, device=dev)
+    k = torch.randn(T, H, K, device=dev)
+    if not l2:  # without the in-kernel norm the caller passes unit-norm q, k (as models do)
+        q, k = l2norm(q), l2norm(k)
+    v = torch.randn(T, HV, V, device=dev)
+    # Qwen-style gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
+    a, b = torch.randn(T, HV, device=dev), torch.randn(T, HV, device=dev)
+    A_log = torch.empty(HV, device=dev).uniform_(0.0, 1.5)
+    dt_bias = torch.empty(HV, device=dev).uniform_(-3.0, 0.0)
+    g, beta = gdn_gate_ref(a, b, A_log, dt_bias, dtype=torch.float32)
+    num_slots = N + extra_slots
+    slot_elems = HV * V * K
+    buf = torch.randn(num_slots, slot_elems + slot_pad, device=dev).to(pool_dtype)
+    pool = buf[:, :slot_elems].view(num_slots, HV, V, K)  # slot stride > HV*V*K when slot_pad > 0
+    state_indices = torch.randperm(num_slots, device=dev)[:N].to(torch.int32)
+    has_init = torch.rand(N, device=dev) < init_frac
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int64)
+    plan = plan_prefill(cu, device=dev, checkpoint_every=checkpoint_every)
+    return dict(
+        q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g.contiguous(), beta=beta.to(beta_dtype).contiguous(),
+        pool=pool, buf=buf, state_indices=state_indices, has_init=has_init, plan=plan, cu=cu, l2=l2,
+    )
+
+
+def _run(case, out=None, checkpoints=None, scale=K**-0.5):
+    from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd
+
+    if out is None:
+        out = torch.full_like(case["v"], float("nan"))  # poisoned: every element must be written
+    chunk_gated_delta_rule_fwd(
+        case["q"], case["k"], case["v"], case["g"], case["beta"], scale=scale, plan=case["plan"],
+        state_pool=case["pool"], state_indices=case["state_indices"], has_initial_state=case["has_init"],
+        use_qk_l2norm=case["l2"], checkpoints=checkpoints, out=out,
+    )
+    return out
+
+
+def _oracle(case, pool_before, checkpoint_every=None, scale=K**-0.5):
+    idx = case["state_indices"].long()
+    h0 = pool_before[idx].double() * case["has_init"].double()[:, None, None, None]
+    return recurrent_gated_delta_rule_ref(
+        case["q"], case["k"], case["v"], case["g"], case["beta"], scale=scale, initial_state=h0,
+        cu_seqlens=case["cu"], use_qk_l2norm=case["l2"], checkpoint_every=checkpoint_every,
+    )
+
+
+def _check_against_oracle(case, out, pool_before, ckpt=None, checkpoint_every=None):
+    o_ref, final_ref, ckpt_ref = _oracle(case, pool_before, checkpoint_every)
+    assert torch.isfinite(out).all(), "output has NaN/Inf (poisoned rows not written?)"
+    assert _rel(out, o_ref) < TOL, f"o rel err {_rel(out, o_ref):.3e}"
+    idx = case["state_indices"].long()
+    final = case["pool"][idx]
+    assert torch.isfinite(final).all()
+    assert _rel(final, final_ref) < TOL, f"final state rel err {_rel(final, final_ref):.3e}"
+    untouched = torch.ones(case["pool"].shape[0], dtype=torch.bool, device=out.device)
+    untouched[idx] = False
+    assert torch.equal(case["pool"][untouched], pool_before[untouched]), "a slot not in state_indices changed"
+    if ckpt is not None:
+        assert ckpt.shape == ckpt_ref.shape
+        assert torch.isfinite(ckpt).all()
+        if ckpt_ref.numel():
+            assert _rel(ckpt, ckpt_ref) < TOL, f"checkpoint rel err {_rel(ckpt, ckpt_ref):.3e}"
+
+
+VARLEN_MIXES = [
+    [1],
+    [63],
+    [64],
+    [65],
+    [1, 63, 64, 65, 130, 1],
+    [700, 3, 129],
+    [1500],
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", VARLEN_MIXES, ids=lambda x: "-".join(map(str, x)))
+def test_varlen_bf16_gva4_fp32_pool(lens):
+    case = _make_case(lens, 2, 8, beta_dtype=torch.bfloat16)
+    pool_before = case["pool"].clone()
+    out = _run(case)
+    _check_against_oracle(case, out, pool_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("init_frac", [0.0, 1.0])
+def test_with_and_without_initial_state(init_frac):
+    case = _make_case([200, 64, 5], 2, 8, beta_dtype=torch.bfloat16, init_frac=init_frac)
+    pool_before = case["pool"].clone()
+    out = _run(case)
+    _check_against_oracle(case, out, pool_before)
+
+
+@pytest.mark.gpu
+def test_bf16_pool_fp32_beta_strided_slots():
+    case = _make_case([300, 1, 64, 77], 4, 16, beta_dtype=torch.float32, pool_dtype=torch.bfloat16, slot_pad=1000)
+    assert case["pool"].stride(0) > 16 * V * K
+    pool_before = case["pool"].clone()
+    buf_before = case["buf"].clone()
+    out = _run(case)
+    _check_against_oracle(case, out, pool_before)
+    # the padding between slots (another engine state in vLLM's shared buffer) is untouched
+    assert torch.equal(case["buf"][:, 16 * V * K:], buf_before[:, 16 * V * K:])
+
+
+@pytest.mark.gpu
+def test_fp16_no_l2norm_no_gva():
+    case = _make_case([129, 64, 2, 250], 16, 16, dtype=torch.float16, beta_dtype=torch.float16, l2=False)
+    pool_before = case["pool"].clone()
+    out = _run(case)
+    _check_against_oracle(case, out, pool_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_checkpoints(pool_dtype):
+    every = 128
+    beta_dtype = torch.bfloat16 if pool_dtype == torch.float32 else torch.float32
+    H, HV = (2, 8) if pool_dtype == torch.float32 else (4, 16)
+    case = _make_case([300, 127, 128, 64, 513], H, HV, beta_dtype=beta_dtype, pool_dtype=pool_dtype,
+                      checkpoint_every=every)
+    plan = case["plan"]
+    ckpt = torch.full((plan.num_checkpoints, HV, V, K), float("nan"), dtype=pool_dtype, device="cuda")
+    pool_before = case["pool"].clone()
+    out = _run(case, checkpoints=ckpt)
+    _check_against_oracle(case, out, pool_before, ckpt=ckpt, checkpoint_every=every)
+    # the chunked reference's checkpoints are the same chunk-boundary states
+    h0 = pool_before[case["state_indices"].long()].float() * case["has_init"].float()[:, None, None, None]
+    _, _, ckpt_chunk = chunk_gated_delta_rule_ref(
+        case["q"], case["k"], case["v"], case["g"], case["beta"], initial_state=h0, cu_seqlens=case["cu"],
+        use_qk_l2norm=True, checkpoint_every=every)
+    assert _rel(ckpt, ckpt_chunk) < TOL
+
+
+@pytest.mark.gpu
+def test_stages_match_chunk_reference():
+    """Each kernel's workspace vs the chunk reference's intermediates: tells which kernel is wrong."""
+    from qla_serving.kernels.chunk_prefill import _launch
+
+    lens = [65, 130, 7]
+    case = _make_case(lens, 2, 8, beta_dtype=torch.bfloat16)
+    pool_before = case["pool"].clone()
+    out = torch.full_like(case["v"], float("nan"))
+    ws = _launch(case["q"], case["k"], case["v"], case["g"], case["beta"], scale=K**-0.5, plan=case["plan"],
+                 state_pool=case["pool"], state_indices=case["state_indices"], has_initial_state=case["has_init"],
+                 use_qk_l2norm=True, checkpoints=None, out=out)
+    h0 = pool_before[case["state_indices"].long()].float() * case["has_init"].float()[:, None, None, None]
+    *_, inter = chunk_gated_delta_rule_ref(
+        case["q"], case["k"], case["v"], case["g"], case["beta"], initial_state=h0, cu_seqlens=case["cu"],
+        use_qk_l2norm=True, return_intermediates=True)
+    # token rows of every chunk, in plan order
+    rows, slots = [], []
+    for ci, (s, j) in enumerate(case["plan"].chunk_indices.cpu().tolist()):
+        bos = int(case["cu"][s]) + 64 * j
+        n = min(64, int(case["cu"][s + 1]) - bos)
+        rows += range(bos, bos + n)
+        slots += [(ci, r) for r in range(n)]
+    ci_idx = torch.tensor([c for c, _ in slots])
+    r_idx = torch.tensor([r for _, r in slots])
+    rows = torch.tensor(rows)
+    errs = {
+        "g_cum": _rel(ws["g_cum"][rows], inter.g_cum[ci_idx, r_idx]),
+        "w": _rel(ws["w"][rows], inter.w[ci_idx, r_idx]),
+        "u": _rel(ws["u"][rows], inter.u[ci_idx, r_idx]),
+        "h": _rel(ws["h_chunks"], inter.h),
+        "v_new": _rel(ws["v_new"][rows], inter.v_new[ci_idx, r_idx]),
+    }
+    assert all(e < TOL for e in errs.values()), errs
+
+
+@pytest.mark.gpu
+def test_no_compile_across_50_batch_compositions():
+    from qla_serving.kernels import chunk_prefill
+
+    chunk_prefill.warmup(2, 8, dtype=torch.bfloat16, beta_dtype=torch.bfloat16, pool_dtype=torch.float32)
+    before = chunk_prefill.compile_count()
+    rng = random.Random(torch.initial_seed())
+    checked = 0
+    for i in range(50):
+        lens = [rng.choice([1, 2, 63, 64, 65, rng.randint(1, 400)]) for _ in range(rng.randint(1, 6))]
+        case = _make_case(lens, 2, 8, beta_dtype=torch.bfloat16)
+        pool_before = case["pool"].clone() if i % 10 == 0 else None
+        out = _run(case)
+        assert torch.isfinite(out).all()
+        if pool_before is not None:  # spot-check numerics along the way
+            _check_against_oracle(case, out, pool_before)
+            checked += 1
+    assert chunk_prefill.compile_count() == before, "a batch composition triggered a compile"
+    assert checked == 5
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    """With a plan the op makes no host sync and allocates only through the caching allocator:
+    it captures, and replays correctly on new inputs copied into the captured buffers."""
+    from qla_serving.kernels import chunk_prefill
+
+    lens = [100, 64, 1, 300]
+    case = _make_case(lens, 2, 8, beta_dtype=torch.bfloat16)
+    chunk_prefill.warmup(2, 8, dtype=torch.bfloat16, beta_dtype=torch.bfloat16, pool_dtype=torch.float32)
+    out = torch.empty_like(case["v"])
+    pool_start = case["pool"].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _run(case, out=out)  # warm-up on the side stream (first-use allocations)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    case["pool"].copy_(pool_start)
+    with torch.cuda.graph(graph):
+        _run(case, out=out)
+    # new inputs into the captured buffers, fresh start states, poisoned output
+    fresh = _make_case(lens, 2, 8, beta_dtype=torch.bfloat16)
+    for name in ("q", "k", "v", "g", "beta"):
+        case[name].copy_(fresh[name])
+    case["pool"].normal_()
+    pool_before = case["pool"].clone()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_against_oracle(case, out, pool_before)
