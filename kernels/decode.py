@@ -1,0 +1,304 @@
+"""Fused gated-delta-rule decode step for SM90, in TileLang.
+
+One launch does, for every sequence ``n`` and value head ``hv``, ``T`` (1..8) recurrent steps
+on the state ``S = pool[state_indices[n], hv]`` (``V x K``, the engines' layout):
+
+    g    = -exp(A_log) * softplus(a + dt_bias)        beta = sigmoid(b)
+    S    = exp(g) * S                                 (decay)
+    S   += beta * (v - S k) k^T                       (delta rule)
+    o    = scale * S q
+
+with q, k L2-normalised first when asked. The step is memory-bound (each (n, hv) reads and
+writes 64 KiB of fp32 state for ~1 MFLOP), so the kernel is laid out for bandwidth:
+
+* grid ``(V / BV, HV, N)``: one CTA per (sequence, value head, slice of ``BV`` state rows),
+  so even small batches put several CTAs per SM in flight;
+* a row of K = 128 state values is shared by 8 consecutive lanes, each holding 16 values as
+  16-byte vectors (4 fp32 or 8 bf16 per load): every warp load covers whole 128-byte lines,
+  and the two dot products over K (``S k`` and ``S q``) need only 3 butterfly shuffles;
+* the state stays in registers across the ``T`` tokens; it is read once and written once
+  (plus once per token into ``intermediate_states`` when the caller wants it).
+
+The pool is passed as a flat 1-D view with the slot stride as a run-time scalar (in units of
+one 16-byte vector, so the compiler can prove the vector loads aligned): vLLM's pool is a
+view whose slot stride exceeds ``HV * V * K`` (it shares a buffer with the conv state).
+
+The number of sequences ``N`` is a run-time value; a kernel is compiled once per static
+configuration (head counts, T, dtypes, flags, tile) and cached (:data:`compile_count`).
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the kernel's annotations, which
+# refer to the builder's local sizes.
+import threading
+
+import torch
+
+from .configs import DECODE_CONFIGS
+
+K_DIM = 128
+V_DIM = 128
+MAX_TOKENS = 8
+LANES_PER_ROW = 8  # consecutive lanes sharing one state row (3-step butterfly reductions)
+SOFTPLUS_THRESHOLD = 20.0
+L2NORM_EPS = 1e-6
+
+_TL_DTYPES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+_cache: dict[tuple, object] = {}
+_cache_lock = threading.Lock()
+_key_locks: dict[tuple, threading.Lock] = {}
+compile_count = 0  # kernels compiled by this process (the engines check it stays flat)
+
+
+def _build(H, HV, T_tok, q_dtype, ab_dtype, alog_dtype, bias_dtype, pool_dtype, idx_dtype, use_l2, has_inter,
+           inplace, rows_per_cta, threads):
+    """The TileLang program for one static configuration (dtypes as TileLang names)."""
+    import tilelang.language as T
+
+    K, V = K_DIM, V_DIM
+    LANES = LANES_PER_ROW
+    vec = 16 // (4 if pool_dtype == "float32" else 2)  # state elements per 16-byte access
+    per_lane = K // LANES  # state values of one row held by one lane
+    nvec = per_lane // vec
+    rows_per_pass = threads // LANES
+    R = rows_per_cta // rows_per_pass  # rows per thread
+    assert R * rows_per_pass == rows_per_cta and V % rows_per_cta == 0 and nvec * vec == per_lane
+    group = HV // H
+    acc = "float32"
+    N = T.dynamic("N")
+    pool_len = T.dynamic("pool_len")
+    inter_len = T.dynamic("inter_len")
+
+    def col(i, j, gl):
+        # Column of a lane's i-th vector, element j: vectors of 8 lanes tile 8*vec columns.
+        return i * (LANES * vec) + gl * vec + j
+
+    @T.prim_func
+    def gdn_decode(
+        q: T.Tensor((N, T_tok, H, K), q_dtype),
+        k: T.Tensor((N, T_tok, H, K), q_dtype),
+        v: T.Tensor((N, T_tok, HV, V), q_dtype),
+        a: T.Tensor((N, T_tok, HV), ab_dtype),
+        b: T.Tensor((N, T_tok, HV), ab_dtype),
+        A_log: T.Tensor((HV,), alog_dtype),
+        dt_bias: T.Tensor((HV,), bias_dtype),
+        pool: T.Tensor((pool_len,), pool_dtype),
+        state_indices: T.Tensor((N,), idx_dtype),
+        o: T.Tensor((N, T_tok, HV, V), q_dtype),
+        inter: T.Tensor((inter_len,), pool_dtype),
+        slot_stride_vec: T.int64,
+        scale: T.float32,
+    ):
+        with T.Kernel(V // rows_per_cta, HV, N, threads=threads) as (bv, hv, n):
+            tx = T.get_thread_binding()
+            gl = tx % LANES
+            row0 = bv * rows_per_cta + tx // LANES
+            S = T.alloc_local((R, per_lane), acc)
+            kk = T.alloc_local((per_lane,), acc)
+            qq = T.alloc_local((per_lane,), acc)
+            red = T.alloc_local((2,), acc)
+            gate = T.alloc_local((2,), acc)  # exp(g), beta of the current token
+            slot = T.cast(state_indices[n], "int64")
+            hq = hv // group
+            if slot < 0:
+                # Padded row of a CUDA-graph batch: zero output, state untouched.
+                for t in T.serial(T_tok):
+                    for r in T.unroll(R):
+                        if gl == 0:
+                            o[n, t, hv, row0 + r * rows_per_pass] = T.cast(0, q_dtype)
+            else:
+                base = slot * slot_stride_vec * vec + T.cast(hv * (V * K), "int64")
+                for r in T.unroll(R):
+                    for i in T.unroll(nvec):
+                        for j in T.vectorized(vec):
+                            S[r, i * vec + j] = T.cast(
+                                pool[base + (row0 + r * rows_per_pass) * K + col(i, j, gl)], acc)
+                neg_A = -T.exp(T.cast(A_log[hv], acc))
+                for t in T.serial(T_tok):
+                    x = T.cast(a[n, t, hv], acc) + T.cast(dt_bias[hv], acc)
+                    gate[0] = T.exp(neg_A * T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log1p(T.exp(x))))
+                    gate[1] = 1.0 / (1.0 + T.exp(-T.cast(b[n, t, hv], acc)))
+                    for i in T.unroll(nvec):
+                        for j in T.vectorized(vec):
+                            kk[i * vec + j] = T.cast(k[n, t, hq, col(i, j, gl)], acc)
+                            qq[i * vec + j] = T.cast(q[n, t, hq, col(i, j, gl)], acc)
+                    if use_l2:
+                        red[0] = 0.0
+                        red[1] = 0.0
+                        for e in T.unroll(per_lane):
+                            red[0] += kk[e] * kk[e]
+                            red[1] += qq[e] * qq[e]
+                        for s in T.unroll(3):
+                            red[0] += T.shfl_xor(red[0], 1 << s)
+                            red[1] += T.shfl_xor(red[1], 1 << s)
+                        red[0] = T.rsqrt(red[0] + L2NORM_EPS)
+                        red[1] = T.rsqrt(red[1] + L2NORM_EPS) * scale
+                        for e in T.unroll(per_lane):
+                            kk[e] = kk[e] * red[0]
+                            qq[e] = qq[e] * red[1]
+                    else:
+                        for e in T.unroll(per_lane):
+                            qq[e] = qq[e] * scale
+                    for r in T.unroll(R):
+                        row = row0 + r * rows_per_pass
+                        red[0] = 0.0
+                        for e in T.unroll(per_lane):
+                            S[r, e] = S[r, e] * gate[0]
+                            red[0] += S[r, e] * kk[e]
+                        for s in T.unroll(3):
+                            red[0] += T.shfl_xor(red[0], 1 << s)
+                        red[0] = gate[1] * (T.cast(v[n, t, hv, row], acc) - red[0])
+                        red[1] = 0.0
+                        for e in T.unroll(per_lane):
+                            S[r, e] = S[r, e] + red[0] * kk[e]
+                            red[1] += S[r, e] * qq[e]
+                        for s in T.unroll(3):
+                            red[1] += T.shfl_xor(red[1], 1 << s)
+                        if gl == 0:
+                            o[n, t, hv, row] = T.cast(red[1], q_dtype)
+                        if has_inter:
+                            ibase = ((T.cast(n, "int64") * T_tok + t) * HV + hv) * (V * K)
+                            for i in T.unroll(nvec):
+                                for j in T.vectorized(vec):
+                                    inter[ibase + row * K + col(i, j, gl)] = T.cast(S[r, i * vec + j], pool_dtype)
+                if inplace:
+                    for r in T.unroll(R):
+                        for i in T.unroll(nvec):
+                            for j in T.vectorized(vec):
+                                pool[base + (row0 + r * rows_per_pass) * K + col(i, j, gl)] = T.cast(
+                                    S[r, i * vec + j], pool_dtype)
+
+    return gdn_decode
+
+
+def _get_kernel(key: tuple):
+    """The compiled kernel of one static configuration; compiles it on first use.
+
+    Different keys may compile in parallel threads (nvcc runs as a subprocess); one key
+    compiles once.
+    """
+    global compile_count
+    kernel = _cache.get(key)
+    if kernel is not None:
+        return kernel
+    with _cache_lock:
+        key_lock = _key_locks.setdefault(key, threading.Lock())
+    with key_lock:
+        kernel = _cache.get(key)
+        if kernel is None:
+            import tilelang
+
+            kernel = tilelang.compile(
+                _build(*key),
+                target={"kind": "cuda", "arch": "sm_90a"},
+                # Addresses come from run-time slot numbers the compiler cannot bound; its
+                # guards would also stop the 16-byte vectorisation. The op layer checks shapes.
+                pass_configs={"tl.disable_safe_memory_legalize": True},
+            )
+            with _cache_lock:
+                _cache[key] = kernel
+                compile_count += 1
+    return kernel
+
+
+def _tile_for(num_heads_total: int) -> tuple[int, int]:
+    """(rows_per_cta, threads) from DECODE_CONFIGS: smaller tiles when few (n, hv) pairs."""
+    cfg = DECODE_CONFIGS
+    if num_heads_total <= cfg["small_max_pairs"]:
+        return cfg["small_rows_per_cta"], cfg["small_threads"]
+    return cfg["rows_per_cta"], cfg["threads"]
+
+
+def _key(H, HV, T_tok, q_dtype, ab_dtype, alog_dtype, bias_dtype, pool_dtype, idx_dtype, use_l2, has_inter,
+         inplace, tile):
+    return (H, HV, T_tok, _TL_DTYPES[q_dtype], _TL_DTYPES[ab_dtype], _TL_DTYPES[alog_dtype], _TL_DTYPES[bias_dtype],
+            _TL_DTYPES[pool_dtype], _TL_DTYPES[idx_dtype], bool(use_l2), bool(has_inter), bool(inplace), *tile)
+
+
+def warmup(H: int, HV: int, T: int = 1, *, dtype: torch.dtype = torch.bfloat16,
+           pool_dtype: torch.dtype = torch.float32, gate_dtype: torch.dtype = torch.float32,
+           index_dtype: torch.dtype = torch.int32, use_qk_l2norm: bool = True,
+           intermediate_states: bool = False, inplace_final_state: bool = True) -> int:
+    """Compile (or load from TileLang's cache) every tile variant of one static configuration.
+
+    Args:
+        H, HV: q/k heads and value heads. T: tokens per sequence (1..8).
+        dtype: q/k/v/a/b dtype (bf16 or fp16). pool_dtype: float32 or bfloat16.
+        gate_dtype: dtype of A_log and dt_bias. index_dtype: int32 or int64.
+        use_qk_l2norm, intermediate_states, inplace_final_state: the call's flags.
+
+    Returns:
+        the number of kernels compiled by this call (0 when all were cached).
+    """
+    before = compile_count
+    cfg = DECODE_CONFIGS
+    for tile in {(cfg["rows_per_cta"], cfg["threads"]), (cfg["small_rows_per_cta"], cfg["small_threads"])}:
+        _get_kernel(_key(H, HV, T, dtype, dtype, gate_dtype, gate_dtype, pool_dtype, index_dtype, use_qk_l2norm,
+                         intermediate_states, inplace_final_state, tile))
+    return compile_count - before
+
+
+def _flat(x: torch.Tensor, span: int) -> torch.Tensor:
+    """A 1-D view of ``span`` elements starting at x's first element (no copy)."""
+    return torch.as_strided(x, (span,), (1,))
+
+
+def gated_delta_rule_decode_fwd(q, k, v, a, b, A_log, dt_bias, *, state_pool, state_indices,
+                                scale: float, use_qk_l2norm: bool, out, intermediate_states=None,
+                                inplace_final_state: bool = True) -> None:
+    """Run the fused decode step (kernel entry point; the op layer validates the inputs).
+
+    Args:
+        q, k: ``[N, T, H, K]`` bf16/fp16, contiguous; K = 128; T = 1..8 tokens per sequence.
+        v: ``[N, T, HV, V]`` q's dtype, contiguous; V = 128; ``HV % H == 0`` and value head
+            ``hv`` reads q/k head ``hv // (HV // H)``.
+        a, b: ``[N, T, HV]`` contiguous, bf16/fp16/fp32 — gate inputs (decay, write strength).
+        A_log, dt_bias: ``[HV]`` float32 (bf16/fp16 accepted).
+        state_pool: ``[num_slots, HV, V, K]`` float32 or bfloat16; ``[HV, V, K]`` contiguous,
+            slot stride ``stride(0) >= HV*V*K`` (a multiple of 16 bytes); updated in place.
+        state_indices: ``[N]`` int32/int64 on the device; ``-1`` skips the row (state untouched,
+            output rows zero). Other values must be valid distinct slots (not checked here).
+        scale: output scale. use_qk_l2norm: L2-normalise q and k (eps 1e-6 inside the sqrt).
+        out: ``[N, T, HV, V]`` q's dtype, contiguous — receives the output.
+        intermediate_states: None or ``[N, T, HV, V, K]`` in the pool dtype, contiguous —
+            receives the state after each token (rows of padded sequences are not written).
+        inplace_final_state: write the state after the last token back to the pool.
+
+    No host synchronisation and no allocation: CUDA-graph capturable once the configuration
+    is compiled (call :func:`warmup` or run once before capture).
+    """
+    N, T_tok, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    assert K == K_DIM and V == V_DIM and 1 <= T_tok <= MAX_TOKENS and HV % H == 0
+    assert state_pool.stride()[1:] == (V * K, K, 1)
+    vec = 16 // state_pool.element_size()
+    slot_stride = state_pool.stride(0)
+    # 16-byte vector accesses need a 16-byte-aligned base and slot stride.
+    assert state_pool.data_ptr() % 16 == 0 and slot_stride % vec == 0
+    pool_flat = _flat(state_pool, (state_pool.shape[0] - 1) * slot_stride + HV * V * K)
+    if intermediate_states is not None:
+        assert intermediate_states.is_contiguous() and intermediate_states.dtype == state_pool.dtype
+        inter_flat = intermediate_states.view(-1)
+    else:
+        inter_flat = pool_flat  # unused by the kernel compiled without intermediates
+    if N == 0:
+        return
+    key = _key(H, HV, T_tok, q.dtype, a.dtype, A_log.dtype, dt_bias.dtype, state_pool.dtype, state_indices.dtype,
+               use_qk_l2norm, intermediate_states is not None, inplace_final_state, _tile_for(N * HV))
+    kernel = _get_kernel(key)
+    kernel(q, k, v, a, b, A_log, dt_bias, pool_flat, state_indices, out, inter_flat,
+           slot_stride // vec, float(scale))
+
+
+def compiled_kernels() -> int:
+    """How many decode kernels this process has compiled (or loaded) so far."""
+    return compile_count
+
+
+__all__ = ["gated_delta_rule_decode_fwd", "warmup", "compiled_kernels", "MAX_TOKENS"]
