@@ -139,6 +139,81 @@ class ChunkIntermediates:
     h: torch.Tensor
 
 
+def _pad_chunk(x: torch.Tensor, C: int) -> torch.Tensor:
+    """Zero-pad the token dim to ``C``: exact, since padded rows have k = v = beta = g = 0."""
+    n = x.shape[0]
+    return F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, C - n)) if n < C else x
+
+
+def chunk_state_pass(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, h: torch.Tensor,
+                     chunk_size: int = CHUNK_SIZE) -> tuple[dict, torch.Tensor]:
+    """The WY chunk pass over one span of one sequence, chunk by chunk (``docs/design.md``).
+
+    Args:
+        k: ``[L, HV, K]`` keys (normalised, expanded to the value heads).
+        v: ``[L, HV, D]`` values (or zeros, with ``h`` the identity, for a span's transition).
+        g, beta: ``[L, HV]``.
+        h: ``[HV, K, D]`` the state entering the span, FLA layout (the transpose of ``S``).
+
+    Returns:
+        ``(per_chunk, h_end)``: ``per_chunk`` maps ``g_cum [NC, C, HV]``, ``w [NC, C, HV, K]``,
+        ``u [NC, C, HV, D]``, ``v_new [NC, C, HV, D]`` and ``h [NC, HV, K, D]`` (entering
+        states); ``h_end`` is the state after the span.
+    """
+    C = chunk_size
+    dev, dt = h.device, h.dtype
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=dev), -1)
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=dev))
+    eye = torch.eye(C, dtype=dt, device=dev)
+    out = {name: [] for name in ("g_cum", "w", "u", "v_new", "h")}
+    for cs in range(0, k.shape[0], C):
+        kc, vc = (_pad_chunk(x[cs:cs + C], C).transpose(0, 1) for x in (k, v))  # [HV, C, D]
+        gc, bc = (_pad_chunk(x[cs:cs + C], C).transpose(0, 1) for x in (g, beta))  # [HV, C]
+        G = gc.cumsum(-1)
+        decay = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~incl, float("-inf")))
+        A = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~strict, 0)
+        Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+        w = Tinv @ (kc * (bc * torch.exp(G))[..., None])
+        u = Tinv @ (vc * bc[..., None])
+        v_new = u - w @ h
+        for name, x in (("g_cum", G.T), ("w", w.transpose(0, 1)), ("u", u.transpose(0, 1)),
+                        ("v_new", v_new.transpose(0, 1)), ("h", h)):
+            out[name].append(x)
+        G_last = G[:, -1]
+        h = torch.exp(G_last)[:, None, None] * h + (kc * torch.exp(G_last[:, None] - G)[..., None]).transpose(-1, -2) @ v_new
+    if not out["h"]:
+        return {}, h
+    return {name: torch.stack(x) for name, x in out.items()}, h
+
+
+def chunk_output(q: torch.Tensor, k: torch.Tensor, per_chunk: dict, scale: float,
+                 chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """``o = scale ((q exp(G)) h + lower_incl(q k^T exp(G_i - G_j)) v')`` for every chunk of a span.
+
+    ``q, k``: ``[L, HV, K]`` (normalised, expanded); ``per_chunk`` from :func:`chunk_state_pass`.
+    Returns ``o [L, HV, D]``.
+    """
+    C, L = chunk_size, q.shape[0]
+    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+    o = []
+    for c, cs in enumerate(range(0, L, C)):
+        qc, kc = (_pad_chunk(x[cs:cs + C], C).transpose(0, 1) for x in (q, k))
+        G = per_chunk["g_cum"][c].T
+        decay = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~incl, float("-inf")))
+        attn = (qc @ kc.transpose(-1, -2)) * decay
+        oc = ((qc * torch.exp(G)[..., None]) @ per_chunk["h"][c] + attn @ per_chunk["v_new"][c].transpose(0, 1)) * scale
+        o.append(oc[:, :min(C, L - cs)].transpose(0, 1))
+    return torch.cat(o) if o else q.new_zeros(0, q.shape[1], per_chunk.get("v_new", q).shape[-1])
+
+
+def prepare_inputs(q, k, v, g, beta, use_qk_l2norm: bool, dtype: torch.dtype):
+    """Cast to ``dtype``, L2-normalise q and k if asked, expand q and k to the value heads."""
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return _expand_heads(q, v.shape[1]), _expand_heads(k, v.shape[1]), v, g, beta
+
+
 def chunk_gated_delta_rule_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -167,62 +242,35 @@ def chunk_gated_delta_rule_ref(
         raise ValueError(f"checkpoint_every={checkpoint_every} must be a multiple of the chunk size {C}")
     scale = K**-0.5 if scale is None else scale
     dev = q.device
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q, k = _expand_heads(q, HV), _expand_heads(k, HV)
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, use_qk_l2norm, dtype)
     o = torch.zeros(T, HV, V, dtype=dtype, device=dev)
-    finals, ckpts = [], []
-    inter = {name: [] for name in ("g_cum", "w", "u", "v_new", "h")}
-    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=dev), -1)
-    incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=dev))
-    eye = torch.eye(C, dtype=dtype, device=dev)
+    finals, ckpts, inter = [], [], []
     for n, (bos, eos) in enumerate(_seq_bounds(cu_seqlens, T)):
         # h is the FLA layout [HV, K, V]; the engines' state is its transpose.
-        if initial_state is None:
-            h = torch.zeros(HV, K, V, dtype=dtype, device=dev)
-        else:
-            h = initial_state[n].to(dtype).transpose(-1, -2).clone()
-        for cs in range(bos, eos, C):
-            ce = min(cs + C, eos)
-            L = ce - cs
-            # Zero-padding a short chunk is exact: padded rows have k = v = beta = g = 0.
-            def pad(x):
-                return F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, C - L)) if L < C else x
-
-            qc, kc, vc = (pad(x[cs:ce]).transpose(0, 1) for x in (q, k, v))  # [HV, C, D]
-            gc, bc = (pad(x[cs:ce]).transpose(0, 1) for x in (g, beta))  # [HV, C]
-            G = gc.cumsum(-1)
-            decay = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~incl, float("-inf")))
-            A = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~strict, 0)
-            Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
-            w = Tinv @ (kc * (bc * torch.exp(G))[..., None])
-            u = Tinv @ (vc * bc[..., None])
-            v_new = u - w @ h
-            attn = (qc @ kc.transpose(-1, -2)) * decay
-            oc = ((qc * torch.exp(G)[..., None]) @ h + attn @ v_new) * scale
-            o[cs:ce] = oc[:, :L].transpose(0, 1)
-            if return_intermediates:
-                for name, x in (("g_cum", G.T), ("w", w.transpose(0, 1)), ("u", u.transpose(0, 1)),
-                                ("v_new", v_new.transpose(0, 1)), ("h", h.transpose(-1, -2))):
-                    inter[name].append(x.clone())
-            G_last = G[:, -1]
-            h = torch.exp(G_last)[:, None, None] * h + (
-                kc * torch.exp(G_last[:, None] - G)[..., None]
-            ).transpose(-1, -2) @ v_new
-            if checkpoint_every and (ce - bos) % checkpoint_every == 0 and L == C:
-                ckpts.append(h.transpose(-1, -2).clone())
-        finals.append(h.transpose(-1, -2))
+        h = (torch.zeros(HV, K, V, dtype=dtype, device=dev) if initial_state is None
+             else initial_state[n].to(dtype).transpose(-1, -2))
+        per_chunk, h_end = chunk_state_pass(k[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], h, C)
+        if not per_chunk:
+            finals.append(h_end.transpose(-1, -2))
+            continue
+        o[bos:eos] = chunk_output(q[bos:eos], k[bos:eos], per_chunk, scale, C)
+        # The state after chunk c is the state entering chunk c + 1 (or the final state).
+        after = torch.cat([per_chunk["h"][1:], h_end[None]])
+        if checkpoint_every:
+            every = checkpoint_every // C
+            full = (eos - bos) // C  # checkpoints sit at full-chunk boundaries only
+            ckpts.extend(after[c].transpose(-1, -2) for c in range(every - 1, full, every))
+        per_chunk["h"] = per_chunk["h"].transpose(-1, -2)
+        inter.append(per_chunk)
+        finals.append(h_end.transpose(-1, -2))
     ckpt = torch.stack(ckpts) if ckpts else torch.zeros(0, HV, V, K, dtype=dtype, device=dev)
     result = (o, torch.stack(finals), ckpt)
     if return_intermediates:
-        def cat(name, shape):
-            return torch.stack(inter[name]) if inter[name] else torch.zeros(shape, dtype=dtype, device=dev)
-
-        result += (ChunkIntermediates(
-            g_cum=cat("g_cum", (0, C, HV)), w=cat("w", (0, C, HV, K)), u=cat("u", (0, C, HV, V)),
-            v_new=cat("v_new", (0, C, HV, V)), h=cat("h", (0, HV, V, K)),
-        ),)
+        shapes = {"g_cum": (0, C, HV), "w": (0, C, HV, K), "u": (0, C, HV, V), "v_new": (0, C, HV, V),
+                  "h": (0, HV, V, K)}
+        result += (ChunkIntermediates(**{
+            name: torch.cat([x[name] for x in inter]) if inter else torch.zeros(shape, dtype=dtype, device=dev)
+            for name, shape in shapes.items()}),)
     return result
 
 

@@ -1,0 +1,95 @@
+"""AutoCP reference and planner (CPU): segment-parallel prefill against the float64 oracle."""
+
+import math
+
+import pytest
+import torch
+
+from qla_serving.ops.gated_delta_rule.context_parallel import (
+    LOG_DECAY_THRESHOLD,
+    ContextParallelPlan,
+    chunk_gated_delta_rule_cp_ref,
+    plan_context_parallel,
+)
+from qla_serving.ops.gated_delta_rule.naive import recurrent_gated_delta_rule_ref
+
+from helpers import cu_of, make_gates, make_qkv, rel_err
+
+
+def _inputs(lengths, HV=4, K=16, gates="qwen"):
+    T = sum(lengths)
+    q, k, v = make_qkv(T, 1, HV, K, K)
+    g, beta = make_gates(T, HV, "qwen")
+    if gates == "adversarial":
+        g[:, 0] = 0.0  # never decays: warm-up would be wrong
+        block = (torch.arange(T) // 128) % 2 == 0
+        g[:, 1] = torch.where(block, torch.tensor(-0.5, dtype=g.dtype), torch.tensor(0.0, dtype=g.dtype))
+        g[:, 2] = -2.0  # always decays fast: warm-up is fine
+    h0 = torch.randn(len(lengths), HV, K, K, dtype=torch.float64)
+    return q, k, v, g, beta, h0
+
+
+def _cp(lengths, seg=256, warm=128):
+    return plan_context_parallel(lengths, 4, 132, segment_tokens=seg, warmup_tokens=warm, min_cp_tokens=512)
+
+
+@pytest.mark.parametrize("lengths", [[1000], [1000, 300, 5], [64 * 9, 777]])
+@pytest.mark.parametrize("gates", ["qwen", "adversarial"])
+def test_exact_mode_is_the_recurrence(lengths, gates):
+    q, k, v, g, beta, h0 = _inputs(lengths, gates=gates)
+    cu = cu_of(lengths)
+    o_r, s_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True)
+    o, s, used = chunk_gated_delta_rule_cp_ref(q, k, v, g, beta, _cp(lengths), initial_state=h0, cu_seqlens=cu,
+                                               use_qk_l2norm=True, mode="exact", dtype=torch.float64)
+    assert rel_err(o, o_r) <= 1e-10 and rel_err(s, s_r) <= 1e-10
+    assert not any(u.any() for u in used)
+
+
+@pytest.mark.parametrize("lengths", [[1000], [1000, 300, 5]])
+@pytest.mark.parametrize("gates", ["qwen", "adversarial"])
+def test_auto_mode_stays_under_the_decay_bound(lengths, gates):
+    q, k, v, g, beta, h0 = _inputs(lengths, gates=gates)
+    cu = cu_of(lengths)
+    o_r, s_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True)
+    o, s, used = chunk_gated_delta_rule_cp_ref(q, k, v, g, beta, _cp(lengths), initial_state=h0, cu_seqlens=cu,
+                                               use_qk_l2norm=True, mode="auto", dtype=torch.float64)
+    # The truncated history is scaled by at most exp(threshold) = 2^-16 (module docstring).
+    bound = math.exp(LOG_DECAY_THRESHOLD)
+    assert rel_err(o, o_r) <= 16 * bound and rel_err(s, s_r) <= 16 * bound
+    if gates == "adversarial":
+        assert not used[0][:, 0].any()  # the head that never decays is never warm-started
+        assert used[0][1:, 2].all()  # the fast-decaying head always is
+
+
+def test_forced_warmup_on_slow_heads_is_wrong():
+    """The per-head decision matters: warm-starting a non-decaying head breaks the result."""
+    lengths = [1000]
+    q, k, v, g, beta, h0 = _inputs(lengths, gates="adversarial")
+    o_r, _, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True)
+    o, _, _ = chunk_gated_delta_rule_cp_ref(q, k, v, g, beta, _cp(lengths), initial_state=h0, use_qk_l2norm=True,
+                                            mode="warmup", dtype=torch.float64)
+    assert rel_err(o[:, 0], o_r[:, 0]) > 1e-3
+
+
+def test_planner_splits_only_when_the_gpu_is_underfilled():
+    # 8 value heads x 1 sequence = 16 chains on 132 SMs: split.
+    cp = plan_context_parallel([32768], 8, 132)
+    assert cp is not None and cp.segment_tokens % 64 == 0 and cp.segment_tokens >= 1024
+    assert len(cp.segments[0]) * 8 * 2 <= 132 * 1.25
+    assert cp.segments[0] == tuple(range(0, 32768, cp.segment_tokens))
+    # 64 value heads x 2 sequences = 256 chains: already full.
+    assert plan_context_parallel([32768, 8192], 64, 132) is None
+    # Short sequences only: nothing to split.
+    assert plan_context_parallel([2048, 1024], 8, 132) is None
+    # Mixed long and short: only the long one is split.
+    cp = plan_context_parallel([24576, 100], 8, 132)
+    assert len(cp.segments[0]) > 1 and cp.segments[1] == (0,)
+
+
+def test_planner_is_deterministic_and_validates_overrides():
+    a = plan_context_parallel([24576, 8192], 16, 132)
+    b = plan_context_parallel([24576, 8192], 16, 132)
+    assert a == b
+    with pytest.raises(ValueError, match="multiples of 64"):
+        plan_context_parallel([8192], 8, 132, segment_tokens=1000)
+    assert isinstance(plan_context_parallel([8192], 8, 132, segment_tokens=2048), ContextParallelPlan)
