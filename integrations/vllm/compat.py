@@ -1,0 +1,106 @@
+"""Which vLLM versions the plugin supports, and a start-up check of the seams it uses.
+
+The plugin hooks vLLM through registration seams (``PluggableLayer.register_oot``,
+``CustomOp.register_oot``, a layer's ``get_attn_backend``) and one unavoidable patch (the CLI
+parser, see :mod:`.args`). Every name it touches is checked here once, at start-up, so an
+incompatible vLLM fails with one clear message instead of an AttributeError mid-serving.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+
+# Read against the source of every release in this range (docs/vllm.md lists the differences).
+MIN_VLLM = (0, 26)
+MAX_VLLM_EXCLUSIVE = (0, 33)
+TESTED_VLLM = "0.26.0"
+
+# (module, attribute path) pairs the plugin relies on; all exist from 0.26.0 to 0.32.0.
+REQUIRED_SEAMS: tuple[tuple[str, str], ...] = (
+    ("vllm.engine.arg_utils", "EngineArgs.add_cli_args"),
+    ("vllm.engine.arg_utils", "EngineArgs.gdn_prefill_backend"),
+    ("vllm.model_executor.custom_op", "PluggableLayer.register_oot"),
+    ("vllm.model_executor.custom_op", "CustomOp.register_oot"),
+    ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core"),
+    ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention.get_attn_backend"),
+    ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "ChunkGatedDeltaRule"),
+    ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "_resolve_gdn_prefill_backend"),
+    ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionBackend.get_builder_cls"),
+    ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder.build"),
+    ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadata"),
+)
+
+
+class VllmIncompatible(RuntimeError):
+    """The installed vLLM lacks a seam the plugin needs, or is outside the supported range."""
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"0.26.0"`` / ``"0.27.1rc1.dev3+g…"`` -> ``(0, 26, 0)`` / ``(0, 27, 1)``."""
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)  # type: ignore[return-value]
+
+
+def installed_vllm_version() -> str:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        import vllm  # an in-tree checkout without metadata
+
+        return getattr(vllm, "__version__", "0.0.0")
+
+
+def supported_range_text() -> str:
+    lo = ".".join(map(str, MIN_VLLM))
+    hi = ".".join(map(str, MAX_VLLM_EXCLUSIVE))
+    return f">={lo}, <{hi}"
+
+
+def version_in_range(version: str) -> bool:
+    return MIN_VLLM <= parse_version(version)[:2] < MAX_VLLM_EXCLUSIVE
+
+
+def _resolve(module: str, path: str):
+    obj = importlib.import_module(module)
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def missing_seams() -> list[str]:
+    """The ``module:attribute`` names of :data:`REQUIRED_SEAMS` the installed vLLM lacks."""
+    missing = []
+    for module, path in REQUIRED_SEAMS:
+        try:
+            _resolve(module, path)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}:{path}")
+    return missing
+
+
+def check_vllm() -> str:
+    """Check the installed vLLM once at start-up; returns its version.
+
+    Raises:
+        VllmIncompatible: a seam is missing. A version outside the tested range whose seams
+            all exist only logs a warning (the caller's job): the seams are what matter.
+    """
+    version = installed_vllm_version()
+    missing = missing_seams()
+    if missing:
+        raise VllmIncompatible(
+            f"qla-serving's vLLM plugin supports vLLM {supported_range_text()}; the installed vLLM "
+            f"{version} lacks {', '.join(missing)}. Install a supported vLLM "
+            f"(pip install 'qla-serving[vllm]') or uninstall qla-serving to run vLLM without it."
+        )
+    return version

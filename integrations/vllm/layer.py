@@ -1,0 +1,325 @@
+"""The GDN layer and chunk op vLLM instantiates once the plugin is registered.
+
+``register()`` puts :class:`QlaGatedDeltaNetAttention` in place of vLLM's
+``QwenGatedDeltaNetAttention`` (``PluggableLayer.register_oot``) and
+:class:`QlaChunkGatedDeltaRule` in place of ``ChunkGatedDeltaRule`` (``CustomOp.register_oot``).
+Both are subclasses that behave exactly like vLLM's classes unless ``flashqla`` is
+requested, so registering them is harmless for every other configuration.
+
+With ``flashqla`` requested and supported, the layer's core (``_forward_core``, what vLLM's
+``qwen_gdn_attention_core`` custom op calls) keeps vLLM's causal convolution and input
+preparation and replaces the recurrence:
+
+* prefill: :func:`qla_serving.chunk_gated_delta_rule_pool` on vLLM's ssm state tensor in
+  place (vLLM's per-prefill state indices and has-initial-state; no gather/scatter), with the
+  step's plan from :mod:`.metadata`;
+* decode: :func:`qla_serving.gated_delta_rule_decode` in place;
+* speculative verify: the same decode op, reading the state of the last accepted token and
+  returning the state after every draft token, which goes to the slot vLLM keeps for it.
+
+Prefix caching: vLLM (0.26-0.32) caches a Qwen GDN layer in "align" mode; the state a step
+ends with is written to the slot vLLM's metadata names, which is what the in-place prefill
+does, so the cached blocks hold the same states vLLM's FlashInfer and Triton paths leave.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    ChunkGatedDeltaRule,
+    QwenGatedDeltaNetAttention,
+)
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+import qla_serving
+from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
+
+from . import support, warmup
+from .args import BACKEND_NAME, CONFIG_KEY, flashqla_requested
+from .metadata import QlaGDNAttentionBackend, QlaGDNAttentionMetadata
+
+logger = logging.getLogger("vllm.qla_serving")
+
+# vLLM marks a padded row's state slot with NULL_BLOCK_ID (0, a block no request owns);
+# qla-serving's decode marks it with -1.
+VLLM_NULL_BLOCK_ID = 0
+
+
+class QlaChunkGatedDeltaRule(ChunkGatedDeltaRule):
+    """vLLM's chunk op. With ``flashqla`` requested it resolves vLLM's own backend as for the
+    default ("auto"), so a layer that falls back runs exactly what vLLM runs by default
+    (vLLM's resolver would otherwise treat the unknown name as a request for Triton)."""
+
+    def __init__(self) -> None:
+        vllm_config = get_current_vllm_config()
+        extra = getattr(vllm_config, "additional_config", None)
+        if not flashqla_requested(vllm_config) or not isinstance(extra, dict):
+            super().__init__()
+            return
+        extra[CONFIG_KEY] = "auto"
+        try:
+            super().__init__()
+        finally:
+            extra[CONFIG_KEY] = BACKEND_NAME
+
+
+def _layer_metadata(prefix: str):
+    """This layer's GDN metadata for the current step, or None (profiling/warm-up run)."""
+    raw = get_forward_context().attn_metadata
+    if not isinstance(raw, dict):
+        return None
+    return raw.get(prefix)
+
+
+class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
+    """vLLM's Qwen3-Next / Qwen3.5 GDN layer with its recurrence on qla-serving's ops.
+
+    Attributes:
+        qla_requested: the user asked for ``flashqla``.
+        qla_active: ... and this layer runs on qla-serving (otherwise it is vLLM's layer,
+            unchanged, on vLLM's default backend).
+    """
+
+    def __init__(self, config, vllm_config, prefix: str = "", *args, **kwargs) -> None:
+        super().__init__(config, vllm_config, prefix, *args, **kwargs)
+        self.qla_requested = flashqla_requested(vllm_config)
+        self.qla_active = False
+        if not self.qla_requested:
+            return
+        _, state_dtype = self.get_state_dtype()
+        if os.environ.get("QLA_FORCE_REFERENCE") == "1":
+            # Run the integration on the ops' PyTorch reference (any device, e.g. CPU tests).
+            reason = None
+        else:
+            reason = support.unsupported_reason(
+                vllm_config.device_config.device, self.head_k_dim, self.head_v_dim,
+                vllm_config.model_config.dtype, state_dtype,
+            )
+        self.qla_active = support.decide(reason)
+        if self.qla_active:
+            # vLLM >= 0.28 sends speculative decode to a fused CUDA kernel that bypasses
+            # _forward_core; with flashqla every step goes through _forward_core.
+            if hasattr(self, "enable_fused_gdn_spec_decode"):
+                self.enable_fused_gdn_spec_decode = False
+            self.enable_packed_recurrent_decode = False
+
+    def get_attn_backend(self):
+        """vLLM's GDN backend whose metadata builder also plans qla-serving's prefill."""
+        if self.qla_requested:
+            return QlaGDNAttentionBackend
+        return super().get_attn_backend()
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward_core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                      core_attn_out: torch.Tensor):
+        """Conv + recurrence of one step (what vLLM's ``qwen_gdn_attention_core`` calls).
+
+        Args:
+            mixed_qkv: ``[num_tokens, (2 * H + HV) * D]`` — projected q, k, v before the conv.
+            b, a: ``[num_tokens, HV]`` — write-strength and decay inputs of the gate.
+            core_attn_out: ``[num_tokens, HV, V]`` — written in place.
+        """
+        if not self.qla_active:
+            return super()._forward_core(mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=core_attn_out)
+        md = _layer_metadata(self.prefix)
+        if md is None:
+            # vLLM's profiling run (no metadata) precedes serving: compile our kernels now.
+            warmup.warm_up_layer(self, mixed_qkv)
+            return
+        self._qla_forward(md, mixed_qkv, b, a, core_attn_out)
+
+    def _qla_forward(self, md, mixed_qkv, b, a, core_attn_out) -> None:
+        if getattr(md, "checkpoint", None) is not None:
+            raise NotImplementedError(
+                "qla-serving: vLLM asked this GDN layer to export a mid-prefill checkpoint; the plugin "
+                "supports vLLM's 'align' prefix caching without prefill checkpoints (vLLM <= 0.32)"
+            )
+        conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
+        ssm_state = self.kv_cache[1]
+        n = md.num_actual_tokens
+        mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
+        spec = md.spec_sequence_masks is not None
+        only_spec = spec and md.num_prefills == 0 and md.num_decodes == 0
+
+        if spec and not only_spec:
+            qkv_spec = mixed_qkv.index_select(0, md.spec_token_indx)
+            a_spec, b_spec = a.index_select(0, md.spec_token_indx), b.index_select(0, md.spec_token_indx)
+            qkv_ns = mixed_qkv.index_select(0, md.non_spec_token_indx)
+            a_ns, b_ns = a.index_select(0, md.non_spec_token_indx), b.index_select(0, md.non_spec_token_indx)
+        elif only_spec:
+            qkv_spec, a_spec, b_spec = mixed_qkv, a, b
+            qkv_ns = a_ns = b_ns = None
+        else:
+            qkv_spec = a_spec = b_spec = None
+            qkv_ns, a_ns, b_ns = mixed_qkv, a, b
+
+        # 1. causal convolution: vLLM's kernels (conv state updated in place by them).
+        if spec:
+            qkv_spec = self._qla_conv_spec(qkv_spec, conv_state, md)
+        if md.num_prefills > 0:
+            qkv_ns = self._qla_conv_prefill(qkv_ns, conv_state, md)
+        elif md.num_decodes > 0:
+            qkv_ns = self._qla_conv_decode(qkv_ns, conv_state, md)
+
+        # 2. recurrence. Without speculative rows the outputs land straight in core_attn_out
+        # (decodes first, then prefills: vLLM's order); with them, they are scattered back.
+        o_spec = self._qla_spec_decode(qkv_spec, a_spec, b_spec, ssm_state, md) if spec else None
+        o_ns = None
+        if md.num_prefills > 0:
+            peel_decodes = not spec and md.num_decodes > 0
+            nd = md.num_decode_tokens if peel_decodes else 0
+            if peel_decodes:
+                self._qla_decode(qkv_ns[:nd], a_ns[:nd], b_ns[:nd], ssm_state,
+                                 md.non_spec_state_indices_tensor[: md.num_decodes], core_attn_out[:nd])
+            end = nd + md.num_prefill_tokens
+            out = core_attn_out[nd:end] if not spec else None
+            o_ns = self._qla_prefill(qkv_ns[nd:end], a_ns[nd:end], b_ns[nd:end], ssm_state, md, out)
+        elif md.num_decodes > 0:
+            nd = md.num_decode_tokens
+            self._qla_decode(qkv_ns[:nd], a_ns[:nd], b_ns[:nd], ssm_state,
+                             md.non_spec_state_indices_tensor[:nd], core_attn_out[:nd])
+
+        if spec:
+            if only_spec:
+                core_attn_out[: o_spec.shape[0]] = o_spec
+            else:
+                core_attn_out.index_copy_(0, md.spec_token_indx, o_spec)
+                if o_ns is not None:
+                    core_attn_out.index_copy_(0, md.non_spec_token_indx, o_ns)
+
+    # ------------------------------------------------------------- convolution
+
+    def _conv_weights(self) -> torch.Tensor:
+        w = self.conv1d.weight
+        return w.view(w.size(0), w.size(2))
+
+    def _qla_conv_prefill(self, x, conv_state, md):
+        """Varlen causal conv over all non-speculative rows (decodes are length-1 rows)."""
+        if x.is_cuda:
+            from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+
+            return causal_conv1d_fn(
+                x.transpose(0, 1), self._conv_weights(), self.conv1d.bias, activation=self.activation,
+                conv_states=conv_state, has_initial_state=md.has_initial_state,
+                cache_indices=md.non_spec_state_indices_tensor, query_start_loc=md.non_spec_query_start_loc,
+                metadata=md,
+            ).transpose(0, 1)
+        from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_torch
+
+        if md.spec_sequence_masks is not None:
+            raise NotImplementedError("qla-serving's CPU path does not run speculative decoding")
+        return causal_conv1d_torch(
+            x.transpose(0, 1), self._conv_weights(), self.conv1d.bias, conv_states=conv_state,
+            query_start_loc=md.non_spec_query_start_loc, cache_indices=md.non_spec_state_indices_tensor,
+            has_initial_state=md.has_initial_state, activation=self.activation,
+        ).transpose(0, 1)
+
+    def _qla_conv_decode(self, x, conv_state, md):
+        """One-token conv update of every decode row."""
+        idx = md.non_spec_state_indices_tensor[: md.num_actual_tokens]
+        if x.is_cuda:
+            from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+
+            return causal_conv1d_update(x, conv_state, self._conv_weights(), self.conv1d.bias, self.activation,
+                                        conv_state_indices=idx, validate_data=True)
+        from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_torch
+
+        rows = idx.long()
+        state = conv_state[rows].contiguous()
+        y = causal_conv1d_update_torch(x.unsqueeze(-1), state, self._conv_weights(), self.conv1d.bias,
+                                       activation=self.activation).squeeze(-1)
+        conv_state[rows] = state
+        return y
+
+    def _qla_conv_spec(self, x, conv_state, md):
+        if not x.is_cuda:
+            raise NotImplementedError("qla-serving's CPU path does not run speculative decoding")
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+
+        idx = md.spec_state_indices_tensor
+        return causal_conv1d_update(
+            x, conv_state, self._conv_weights(), self.conv1d.bias, self.activation,
+            conv_state_indices=idx[:, 0][: md.num_spec_decodes], num_accepted_tokens=md.num_accepted_tokens,
+            query_start_loc=md.spec_query_start_loc, max_query_len=idx.size(-1), validate_data=False,
+        )
+
+    # --------------------------------------------------------------- recurrence
+
+    def _split_qkv(self, x):
+        """``[L, qkv_dim]`` -> contiguous q, k ``[L, H, K]`` and v ``[L, HV, V]``."""
+        q, k, v = self.rearrange_mixed_qkv(x)
+        return q.squeeze(0), k.squeeze(0), v.squeeze(0)
+
+    def _qla_prefill(self, x, a, b, ssm_state, md: QlaGDNAttentionMetadata, out):
+        """Chunked prefill of the planned sequences, state in ``ssm_state`` in place."""
+        if not isinstance(md, QlaGDNAttentionMetadata) or md.qla_plan is None:
+            raise RuntimeError(
+                "qla-serving: the GDN metadata carries no prefill plan; the layer's attention backend is "
+                "not qla-serving's (was the plugin registered in this process?)"
+            )
+        if x.is_cuda:
+            from vllm.third_party.flash_linear_attention.ops import fused_post_conv_prep
+
+            # vLLM's own fused split + L2 norm + gate: the same preparation its backends get.
+            q, k, v, g, beta = fused_post_conv_prep(
+                conv_output=x, a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias,
+                num_k_heads=self.num_k_heads // self.tp_size, head_k_dim=self.head_k_dim,
+                head_v_dim=self.head_v_dim, apply_l2norm=True, output_g_exp=False,
+            )
+            l2_in_kernel = False
+        else:
+            q, k, v = self._split_qkv(x)
+            g, beta = gdn_gate_ref(a, b, self.A_log, self.dt_bias, dtype=torch.float32)
+            l2_in_kernel = True
+        return qla_serving.chunk_gated_delta_rule_pool(
+            q, k, v, g, beta, ssm_state, md.qla_prefill_state_indices,
+            has_initial_state=md.qla_prefill_has_initial_state, scale=self.head_k_dim**-0.5,
+            use_qk_l2norm_in_kernel=l2_in_kernel, plan=md.qla_plan, out=out,
+        )
+
+    def _qla_decode(self, x, a, b, ssm_state, state_indices, out) -> None:
+        """One token per row, state read and written in place at ``state_indices``."""
+        q, k, v = self._split_qkv(x)
+        idx = torch.where(state_indices > VLLM_NULL_BLOCK_ID, state_indices, -1)
+        qla_serving.gated_delta_rule_decode(
+            q, k, v, a.contiguous(), b.contiguous(), self.A_log, self.dt_bias, ssm_state, idx,
+            scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True, out=out,
+        )
+
+    def _qla_spec_decode(self, x, a, b, ssm_state, md):
+        """Speculative verify: ``T = num_spec + 1`` tokens per row.
+
+        vLLM keeps one slot per draft position (``spec_state_indices_tensor[i, t]`` holds the
+        state after token ``t``) and resumes row ``i`` from column ``num_accepted_tokens[i] - 1``.
+        The decode op reads that slot, leaves the pool alone and returns every per-token state,
+        which is then copied to its column's slot.
+        """
+        slots = md.spec_state_indices_tensor
+        rows, T = slots.shape[0], slots.shape[1]
+        if x.shape[0] != rows * T:
+            raise NotImplementedError(
+                f"qla-serving: speculative rows of unequal length ({x.shape[0]} tokens over {rows} rows of "
+                f"up to {T}); the plugin runs uniform draft lengths (EAGLE/MTP)"
+            )
+        q, k, v = self._split_qkv(x)
+        H, K = q.shape[1], q.shape[2]
+        HV, V = v.shape[1], v.shape[2]
+        read_col = (md.num_accepted_tokens[:rows].long() - 1).clamp(min=0)
+        read = slots.gather(1, read_col.unsqueeze(1)).squeeze(1)
+        read = torch.where(read > VLLM_NULL_BLOCK_ID, read, -1)
+        states = torch.empty(rows, T, HV, V, K, dtype=ssm_state.dtype, device=ssm_state.device)
+        o = qla_serving.gated_delta_rule_decode(
+            q.view(rows, T, H, K), k.view(rows, T, H, K), v.view(rows, T, HV, V),
+            a.contiguous().view(rows, T, HV), b.contiguous().view(rows, T, HV), self.A_log, self.dt_bias,
+            ssm_state, read, scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True,
+            intermediate_states=states, inplace_final_state=False,
+        )
+        # Padded rows carry NULL_BLOCK_ID slots: their (unwritten) states land in vLLM's null block.
+        ssm_state.index_copy_(0, slots.reshape(-1).long(), states.view(rows * T, HV, V, K))
+        return o.view(rows * T, HV, V)

@@ -1,0 +1,151 @@
+"""Per-step GDN metadata with qla-serving's prefill plan attached.
+
+vLLM builds one ``GDNAttentionMetadata`` per step (per KV-cache group) in
+``GDNAttentionMetadataBuilder.build``, from host-side query lengths; every GDN layer of the
+group reads it. The subclass here runs vLLM's build unchanged and, for a step with prefills
+while ``flashqla`` is requested, adds a :class:`qla_serving.plan.PrefillPlan` built on the
+host from the same CPU lengths vLLM used, so no layer plans or syncs again.
+
+Our layer (:mod:`.layer`) returns :class:`QlaGDNAttentionBackend` from ``get_attn_backend``,
+which is how vLLM picks this builder: a registration seam, no patch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backends.gdn_attn import (
+    GDNAttentionBackend,
+    GDNAttentionMetadata,
+    GDNAttentionMetadataBuilder,
+)
+
+from qla_serving.plan import PrefillPlan, plan_prefill
+
+from .args import flashqla_requested
+
+
+@dataclass
+class QlaGDNAttentionMetadata(GDNAttentionMetadata):
+    """vLLM's GDN metadata plus what qla-serving's prefill needs.
+
+    Attributes (all None when the step has no prefill or flashqla is not requested):
+        qla_plan: the plan of the prefill sequences (vLLM's ``prefill_query_start_loc``
+            order, zero-length rows dropped).
+        qla_prefill_state_indices: ``[plan.num_seqs]`` int32 on the device — pool slot of each
+            planned sequence (vLLM's ``prefill_state_indices`` without zero-length rows).
+        qla_prefill_has_initial_state: ``[plan.num_seqs]`` bool on the device.
+    """
+
+    qla_plan: PrefillPlan | None = None
+    qla_prefill_state_indices: torch.Tensor | None = None
+    qla_prefill_has_initial_state: torch.Tensor | None = None
+
+
+def prefill_query_lens_cpu(
+    query_start_loc_cpu: torch.Tensor,
+    num_reqs: int,
+    num_decodes: int,
+    spec_sequence_mask_cpu: torch.Tensor | None,
+) -> torch.Tensor:
+    """Host lengths of the sequences vLLM sends to the chunked prefill, in its order.
+
+    Mirrors ``GDNAttentionMetadataBuilder.build``: without speculative rows the batch is
+    ``[decodes | prefills]`` and decodes are peeled off the front; with speculative rows the
+    non-speculative rows (decodes reclassified as prefills) all go to the chunked prefill.
+
+    Args:
+        query_start_loc_cpu: ``[num_reqs + 1]`` (or longer, padded) int32 CPU offsets.
+        num_reqs: requests in the step.
+        num_decodes: vLLM's ``num_decodes`` (0 when speculative rows exist).
+        spec_sequence_mask_cpu: ``[num_reqs]`` bool, True for speculative rows, or None.
+    """
+    lens = query_start_loc_cpu[: num_reqs + 1].diff().to(torch.int64)
+    if spec_sequence_mask_cpu is not None:
+        return lens[~spec_sequence_mask_cpu[:num_reqs]]
+    return lens[num_decodes:]
+
+
+_last_plan: tuple[tuple, PrefillPlan] | None = None
+
+
+def cached_plan(cu_seqlens_cpu: torch.Tensor, device: torch.device) -> PrefillPlan:
+    """:func:`plan_prefill`, reusing the previous plan when another KV-cache group of the same
+    step (or a step with identical lengths) asks for the same one."""
+    global _last_plan
+    key = (str(device), tuple(cu_seqlens_cpu.tolist()))
+    if _last_plan is not None and _last_plan[0] == key:
+        return _last_plan[1]
+    plan = plan_prefill(cu_seqlens_cpu, device=device)
+    _last_plan = (key, plan)
+    return plan
+
+
+class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
+    """vLLM's GDN metadata builder that also plans qla-serving's prefill once per step."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.qla_requested = flashqla_requested(vllm_config)
+
+    def build(  # type: ignore[override]
+        self,
+        common_prefix_len: int,
+        common_attn_metadata,
+        num_accepted_tokens: torch.Tensor | None = None,
+        num_decode_draft_tokens_cpu: torch.Tensor | None = None,
+        fast_build: bool = False,
+    ) -> GDNAttentionMetadata:
+        md = super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
+                           num_decode_draft_tokens_cpu, fast_build)
+        if not self.qla_requested:
+            return md
+        fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
+        out = QlaGDNAttentionMetadata(**fields)
+        if md.num_prefills > 0:
+            self._attach_plan(out, common_attn_metadata, num_decode_draft_tokens_cpu)
+        return out
+
+    def _attach_plan(self, md: QlaGDNAttentionMetadata, m, num_decode_draft_tokens_cpu) -> None:
+        spec_mask_cpu = None
+        if md.spec_sequence_masks is not None:
+            spec_mask_cpu = getattr(md, "spec_sequence_masks_cpu", None)  # vLLM >= 0.31 keeps it
+            if spec_mask_cpu is None:
+                spec_mask_cpu = num_decode_draft_tokens_cpu >= 0  # what vLLM derives it from
+        lens = prefill_query_lens_cpu(m.query_start_loc_cpu, m.num_reqs, md.num_decodes, spec_mask_cpu)
+        if int(lens.sum()) != md.num_prefill_tokens:
+            raise RuntimeError(
+                f"qla-serving: the prefill rows derived from vLLM's metadata hold {int(lens.sum())} tokens "
+                f"but vLLM counts {md.num_prefill_tokens}; this vLLM splits batches differently from the "
+                "versions the plugin supports"
+            )
+        state_indices = md.prefill_state_indices
+        has_initial = md.prefill_has_initial_state
+        if state_indices is None or has_initial is None or state_indices.shape[0] != lens.numel():
+            raise RuntimeError(
+                "qla-serving: vLLM's GDN metadata has no per-prefill state indices matching its prefill "
+                "rows; this vLLM is not supported by the plugin"
+            )
+        keep = lens > 0
+        if not bool(keep.all()):
+            # Zero-length rows (padding) own no tokens; dropping them keeps every planned
+            # sequence on a distinct, real slot.
+            rows = keep.nonzero().squeeze(1).to(state_indices.device, non_blocking=True)
+            state_indices = state_indices.index_select(0, rows)
+            has_initial = has_initial.index_select(0, rows)
+            lens = lens[keep]
+        cu = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=cu[1:])
+        md.qla_plan = cached_plan(cu, m.query_start_loc.device)
+        md.qla_prefill_state_indices = state_indices
+        md.qla_prefill_has_initial_state = has_initial
+
+
+class QlaGDNAttentionBackend(GDNAttentionBackend):
+    """vLLM's GDN backend with :class:`QlaGDNAttentionMetadataBuilder` as its builder."""
+
+    @staticmethod
+    def get_builder_cls() -> type[GDNAttentionMetadataBuilder]:
+        return QlaGDNAttentionMetadataBuilder

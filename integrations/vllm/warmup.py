@@ -1,0 +1,162 @@
+"""Start-up compilation of the kernels a model needs, before vLLM reports ready.
+
+vLLM runs a profiling forward pass (without attention metadata) before it allocates the KV
+cache and starts serving; each GDN layer's ``_forward_core`` sees that pass first. The layer
+hands it to :func:`warm_up_layer`, which compiles every kernel variant the layer's static
+configuration (head counts, dtypes, state dtype, speculative tokens) will use, once per
+process and configuration, with a progress bar. TileLang keeps compiled kernels in its disk
+cache, so a warm restart loads instead of compiling.
+
+Two kinds of step: the kernel modules' own ``warmup(...)`` (compiles every tile variant), and
+one tiny real call of each op with the layer's exact dtypes (covers anything the first
+missed). A missing kernel module or ``warmup`` is logged, not fatal: the ops then compile on
+first use (``QLA_STRICT=1`` makes a failed step an error).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import qla_serving
+from qla_serving import backend
+from qla_serving.plan import plan_prefill
+
+logger = logging.getLogger("vllm.qla_serving")
+
+_done: set["StaticConfig"] = set()
+
+
+@dataclass(frozen=True)
+class StaticConfig:
+    """Everything a GDN layer's kernels are compiled for (the runtime sizes are not here)."""
+
+    device: str
+    num_qk_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    dtype: torch.dtype
+    state_dtype: torch.dtype
+    gate_dtype: torch.dtype
+    bias_dtype: torch.dtype
+    num_spec_tokens: int
+
+
+def layer_static_config(layer, device: torch.device) -> StaticConfig:
+    """The :class:`StaticConfig` of a (qla-serving) vLLM GDN layer on ``device``."""
+    _, state_dtype = layer.get_state_dtype()
+    return StaticConfig(
+        device=str(device), num_qk_heads=layer.num_k_heads // layer.tp_size,
+        num_v_heads=layer.num_v_heads // layer.tp_size, head_k_dim=layer.head_k_dim,
+        head_v_dim=layer.head_v_dim, dtype=layer.model_config.dtype, state_dtype=state_dtype,
+        gate_dtype=layer.A_log.dtype, bias_dtype=layer.dt_bias.dtype, num_spec_tokens=layer.num_spec,
+    )
+
+
+def _kernel_warmup(module: str):
+    """``qla_serving.kernels.<module>.warmup`` or None (with the reason logged)."""
+    try:
+        fn = getattr(importlib.import_module(f"qla_serving.kernels.{module}"), "warmup", None)
+    except Exception as e:  # an import failure of a kernel module must not stop start-up
+        logger.warning("qla-serving: kernel module %s does not import (%s); its kernels compile on first use",
+                       module, e)
+        return None
+    if fn is None:
+        logger.warning("qla-serving: qla_serving.kernels.%s has no warmup(); its kernels compile on first use",
+                       module)
+    return fn
+
+
+def warmup_steps(cfg: StaticConfig, A_log: torch.Tensor, dt_bias: torch.Tensor) -> list[tuple[str, object]]:
+    """The ``(description, callable)`` steps that compile ``cfg``'s kernels."""
+    H, HV, K, V = cfg.num_qk_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    dev = torch.device(cfg.device)
+    steps: list[tuple[str, object]] = []
+    prefill_warmup = _kernel_warmup("chunk_prefill")
+    decode_warmup = _kernel_warmup("decode")
+    if prefill_warmup is not None:
+        # vLLM's fused_post_conv_prep hands the prefill L2-normalised q/k and float32 beta.
+        steps.append(("prefill kernels", lambda: prefill_warmup(
+            H, HV, dtype=cfg.dtype, beta_dtype=torch.float32, pool_dtype=cfg.state_dtype, use_qk_l2norm=False)))
+    if decode_warmup is not None:
+        steps.append(("decode kernels", lambda: decode_warmup(
+            H, HV, 1, dtype=cfg.dtype, pool_dtype=cfg.state_dtype, gate_dtype=cfg.gate_dtype,
+            index_dtype=torch.int32, use_qk_l2norm=True)))
+        if cfg.num_spec_tokens:
+            steps.append(("speculative-verify kernels", lambda: decode_warmup(
+                H, HV, cfg.num_spec_tokens + 1, dtype=cfg.dtype, pool_dtype=cfg.state_dtype,
+                gate_dtype=cfg.gate_dtype, index_dtype=torch.int32, use_qk_l2norm=True,
+                intermediate_states=True, inplace_final_state=False)))
+
+    def pool():
+        return torch.zeros(2, HV, V, K, dtype=cfg.state_dtype, device=dev)
+
+    def unit(*shape):
+        # Deterministic inputs (no RNG: vLLM's seeded sampling must not notice the warm-up).
+        return torch.full(shape, K**-0.5, dtype=cfg.dtype, device=dev)
+
+    def prefill_call():
+        T = 64
+        qla_serving.chunk_gated_delta_rule_pool(
+            unit(T, H, K), unit(T, H, K), unit(T, HV, V), torch.full((T, HV), -0.1, device=dev),
+            torch.full((T, HV), 0.5, device=dev), pool(), torch.zeros(1, dtype=torch.int32, device=dev),
+            has_initial_state=torch.ones(1, dtype=torch.bool, device=dev), scale=K**-0.5,
+            use_qk_l2norm_in_kernel=False, plan=plan_prefill([0, T], device=dev))
+
+    def decode_call(T: int):
+        shape = (1, T) if T > 1 else (1,)
+        qla_serving.gated_delta_rule_decode(
+            unit(*shape, H, K), unit(*shape, H, K), unit(*shape, HV, V), unit(*shape, HV), unit(*shape, HV),
+            A_log, dt_bias, pool(), torch.zeros(1, dtype=torch.int32, device=dev), scale=K**-0.5,
+            use_qk_l2norm_in_kernel=True,
+            intermediate_states=(torch.empty(1, T, HV, V, K, dtype=cfg.state_dtype, device=dev) if T > 1 else None),
+            inplace_final_state=T == 1)
+
+    steps.append(("prefill call", prefill_call))
+    steps.append(("decode call", lambda: decode_call(1)))
+    if cfg.num_spec_tokens:
+        steps.append(("speculative-verify call", lambda: decode_call(cfg.num_spec_tokens + 1)))
+    return steps
+
+
+def run_steps(steps: list[tuple[str, object]], label: str) -> int:
+    """Run warm-up steps under a progress bar; returns how many failed (logged)."""
+    from tqdm.auto import tqdm
+
+    failed = 0
+    with tqdm(total=len(steps), desc=f"qla-serving: compiling GDN kernels ({label})", unit="step") as bar:
+        for name, fn in steps:
+            bar.set_postfix_str(name)
+            try:
+                fn()
+            except Exception as e:
+                if backend.strict_mode():
+                    raise backend.KernelUnavailable(f"qla-serving: warm-up step '{name}' failed: {e}") from e
+                failed += 1
+                logger.warning("qla-serving: warm-up step '%s' failed (%s); it will compile on first use", name, e)
+            bar.update(1)
+    return failed
+
+
+def warm_up_layer(layer, sample: torch.Tensor) -> None:
+    """Compile the kernels ``layer`` needs, once per process and static configuration.
+
+    Args:
+        layer: a :class:`~qla_serving.integrations.vllm.layer.QlaGatedDeltaNetAttention`.
+        sample: any tensor of the profiling pass (gives the device).
+    """
+    if sample.device.type != "cuda":
+        return  # the reference path compiles nothing
+    cfg = layer_static_config(layer, sample.device)
+    if cfg in _done:
+        return
+    _done.add(cfg)
+    label = f"H={cfg.num_qk_heads} HV={cfg.num_v_heads} {str(cfg.dtype).replace('torch.', '')}"
+    steps = warmup_steps(cfg, layer.A_log, layer.dt_bias)
+    with torch.no_grad():
+        run_steps(steps, label)
+    torch.cuda.synchronize(sample.device)

@@ -1,0 +1,218 @@
+"""The plugin's wiring against the real vLLM: entry point, flags, layer resolution, fallback."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import itertools
+
+import pytest
+import torch
+
+from qla_serving.backend import KernelUnavailable
+
+from qla_vllm_helpers import QWEN35_TEXT, engine_config
+
+_layer_ids = itertools.count()
+
+
+def build_gdn_layer(vllm_config):
+    """vLLM's ``QwenGatedDeltaNetAttention`` built the way Qwen3.5's decoder layer builds it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    with set_current_vllm_config(vllm_config):
+        return QwenGatedDeltaNetAttention(
+            vllm_config.model_config.hf_text_config, vllm_config,
+            prefix=f"model.layers.{next(_layer_ids)}.linear_attn", gqa_interleaved_layout=False,
+        )
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def qla_warnings(monkeypatch):
+    """Warnings on vLLM's logger from the plugin, with its once-per-reason memory cleared."""
+    from qla_serving.integrations.vllm import support
+
+    monkeypatch.setattr(support, "_warned", set())
+    handler = _Records()
+    logger = logging.getLogger("vllm.qla_serving")
+    logger.addHandler(handler)
+    yield handler.messages
+    logger.removeHandler(handler)
+
+
+def test_entry_point_is_installed_and_vllm_loads_it():
+    """The package metadata names register() under vllm.general_plugins, and vLLM's own
+    loader finds and runs it (VLLM_PLUGINS unset: every plugin loads)."""
+    eps = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
+           if ep.value == "qla_serving.integrations.vllm:register"]
+    assert eps, ("no vllm.general_plugins entry point 'qla_serving.integrations.vllm:register' in the "
+                 "installed metadata: add it to pyproject.toml and reinstall")
+    from vllm.plugins import load_plugins_by_group
+
+    loaded = load_plugins_by_group("vllm.general_plugins")
+    assert eps[0].name in loaded
+    from qla_serving.integrations.vllm import register
+
+    assert loaded[eps[0].name] is register
+    loaded[eps[0].name]()  # idempotent: vLLM calls it in every process, maybe more than once
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from qla_serving.integrations.vllm.layer import QlaChunkGatedDeltaRule, QlaGatedDeltaNetAttention
+
+    assert op_registry_oot["QwenGatedDeltaNetAttention"] is QlaGatedDeltaNetAttention
+    assert op_registry_oot["ChunkGatedDeltaRule"] is QlaChunkGatedDeltaRule
+
+
+def test_seams_present_in_installed_vllm():
+    from qla_serving.integrations.vllm import compat
+
+    assert compat.missing_seams() == []
+    assert compat.version_in_range(compat.check_vllm())
+    assert compat.parse_version("0.27.1rc2.dev5+gabc") == (0, 27, 1)
+    assert not compat.version_in_range("0.33.0") and not compat.version_in_range("0.25.1")
+
+
+@pytest.mark.parametrize("flag", ["--linear-attn-backend", "--gdn-prefill-backend"])
+def test_flags_parse_and_reach_engine_config(registered, qwen35_model_dir, flag):
+    """Both flags parse through vLLM's serve parser and land in additional_config."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args([qwen35_model_dir, flag, "flashqla", "--skip-tokenizer-init",
+                              "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "4096",
+                              "--enforce-eager", "--language-model-only"])
+    args.model = args.model_tag
+    assert args.gdn_prefill_backend == "flashqla"
+    cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    assert cfg.additional_config["gdn_prefill_backend"] == "flashqla"
+
+
+def test_flag_choices(registered):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    EngineArgs.add_cli_args  # wrapped once, however often vLLM builds parsers
+    gdn = next(a for a in parser._actions if "--gdn-prefill-backend" in a.option_strings)
+    alias = next(a for a in parser._actions if "--linear-attn-backend" in a.option_strings)
+    assert "flashqla" in gdn.choices and {"flashinfer", "triton"} <= set(gdn.choices)
+    assert alias.dest == gdn.dest and set(alias.choices) == set(gdn.choices)
+    assert parser.parse_args(["--linear-attn-backend", "triton"]).gdn_prefill_backend == "triton"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--linear-attn-backend", "nonsense"])
+
+
+def test_qwen35_layer_resolves_to_ours(flashqla_config, distributed, monkeypatch):
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")  # run our path on the CPU reference
+    from qla_serving.integrations.vllm.layer import QlaChunkGatedDeltaRule, QlaGatedDeltaNetAttention
+    from qla_serving.integrations.vllm.metadata import QlaGDNAttentionBackend, QlaGDNAttentionMetadataBuilder
+
+    layer = build_gdn_layer(flashqla_config)
+    assert type(layer) is QlaGatedDeltaNetAttention
+    assert layer.qla_active
+    assert (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim) == (2, 4, 128, 128)
+    assert isinstance(layer.chunk_gated_delta_rule, QlaChunkGatedDeltaRule)
+    assert layer.get_attn_backend() is QlaGDNAttentionBackend
+    assert QlaGDNAttentionBackend.get_builder_cls() is QlaGDNAttentionMetadataBuilder
+    # the config is left as the user set it after the chunk op resolved vLLM's default
+    assert flashqla_config.additional_config["gdn_prefill_backend"] == "flashqla"
+
+
+def test_without_flashqla_the_layer_is_vllms(registered, qwen35_model_dir, distributed):
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
+
+    cfg = engine_config(qwen35_model_dir)
+    layer = build_gdn_layer(cfg)
+    assert not layer.qla_requested and not layer.qla_active
+    assert layer.get_attn_backend() is GDNAttentionBackend
+
+
+def test_unsupported_device_falls_back_with_one_warning(flashqla_config, distributed, qla_warnings, monkeypatch):
+    """On this CPU machine the kernels cannot run: vLLM's default, one warning for many layers."""
+    monkeypatch.delenv("QLA_FORCE_REFERENCE", raising=False)
+    monkeypatch.delenv("QLA_STRICT", raising=False)
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import _resolve_gdn_prefill_backend
+
+    layers = [build_gdn_layer(flashqla_config) for _ in range(3)]
+    assert not any(layer.qla_active for layer in layers)
+    assert len(qla_warnings) == 1, qla_warnings
+    assert "cpu" in qla_warnings[0] and "falling back to vLLM's default" in qla_warnings[0]
+    # vLLM's default: what its resolver picks when nothing is requested
+    flashqla_config.additional_config["gdn_prefill_backend"] = "auto"
+    try:
+        _, default = _resolve_gdn_prefill_backend(flashqla_config)
+    finally:
+        flashqla_config.additional_config["gdn_prefill_backend"] = "flashqla"
+    assert all(layer.chunk_gated_delta_rule.gdn_prefill_backend == default for layer in layers)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(text=dict(linear_key_head_dim=64, linear_value_head_dim=64)), "K=64"),
+    (dict(dtype="float32"), "float32"),
+])
+def test_unsupported_model_falls_back_or_raises_in_strict(registered, distributed, tmp_path, qla_warnings,
+                                                          monkeypatch, change, needle):
+    from transformers import Qwen3_5Config
+
+    text = dict(QWEN35_TEXT, **change.get("text", {}))
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=64, num_heads=2,
+                                                             intermediate_size=128, out_hidden_size=256))
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path)
+    vllm_config = engine_config(str(tmp_path), gdn_prefill_backend="flashqla",
+                                dtype=change.get("dtype", "bfloat16"))
+    monkeypatch.delenv("QLA_STRICT", raising=False)
+    layer = build_gdn_layer(vllm_config)
+    assert not layer.qla_active
+    assert len(qla_warnings) == 1 and needle in qla_warnings[0], qla_warnings
+
+    monkeypatch.setenv("QLA_STRICT", "1")
+    with pytest.raises(KernelUnavailable, match=needle):
+        build_gdn_layer(vllm_config)
+
+
+def test_unsupported_reasons():
+    from qla_serving.integrations.vllm import support
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert "K=64" in support.unsupported_reason("cuda", 64, 128, bf16, f32)
+    assert "float32" in support.unsupported_reason("cuda", 128, 128, f32, f32)
+    assert "float16" in support.unsupported_reason("cuda", 128, 128, bf16, torch.float16)
+    assert "cpu" in support.unsupported_reason("cpu", 128, 128, bf16, f32)
+
+
+def test_tilelang_reasons(monkeypatch):
+    """No TileLang, or a TileLang other than the one the kernels are built for."""
+    import importlib.util
+
+    from qla_serving.integrations.vllm import support
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tilelang" else real_find_spec(name, *a))
+    assert "not installed" in support.tilelang_unsupported_reason()
+    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
+    monkeypatch.setattr(support, "_required_tilelang", lambda: "99.0.0")
+    if real_find_spec("tilelang") is not None:
+        assert "99.0.0" in support.tilelang_unsupported_reason()
+        monkeypatch.setenv("QLA_ALLOW_TILELANG", "1")
+        assert support.tilelang_unsupported_reason() is None
+
+
+def test_strict_mode_raises_on_cpu(flashqla_config, distributed, monkeypatch):
+    monkeypatch.delenv("QLA_FORCE_REFERENCE", raising=False)
+    monkeypatch.setenv("QLA_STRICT", "1")
+    with pytest.raises(KernelUnavailable, match="QLA_STRICT=1"):
+        build_gdn_layer(flashqla_config)
