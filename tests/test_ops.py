@@ -164,3 +164,19 @@ def test_unsupported_reasons_name_the_constraint():
     assert "float32" in backend.config_unsupported_reason(128, 128, torch.float32)
     assert backend.config_unsupported_reason(128, 128, torch.bfloat16) is None
     assert "cpu" in backend.unsupported_reason(torch.device("cpu"), 128, 128, torch.bfloat16)
+
+
+def test_strict_mode_names_head_dim_on_a_supported_device(monkeypatch):
+    """On a GPU that could run the kernels, K != 128 falls back, or raises under QLA_STRICT=1."""
+    monkeypatch.setattr(backend, "device_unsupported_reason", lambda device: None)
+    monkeypatch.setenv("QLA_STRICT", "1")
+    q, k, v, g, beta = _batch([10], K=64, V=64)
+    with pytest.raises(backend.KernelUnavailable, match=r"K=64, V=64; the kernels need K = V = 128"):
+        qla_serving.chunk_gated_delta_rule(q[None].bfloat16(), k[None].bfloat16(), v[None].bfloat16(),
+                                           g[None], beta[None])
+    N, HV = 2, 4
+    with pytest.raises(backend.KernelUnavailable, match="K = V = 128"):
+        qla_serving.gated_delta_rule_decode(
+            torch.randn(N, 2, 64).bfloat16(), torch.randn(N, 2, 64).bfloat16(), torch.randn(N, HV, 64).bfloat16(),
+            torch.randn(N, HV), torch.randn(N, HV), torch.zeros(HV), torch.zeros(HV), torch.zeros(3, HV, 64, 64),
+            torch.tensor([0, 2]))
