@@ -1,0 +1,139 @@
+"""The plugin's wiring into the real SGLang: entry point, CLI flags, dispatcher, start-up checks."""
+
+import importlib.metadata
+
+import pytest
+
+ENTRY_POINT = "qla_serving.integrations.sglang:register"
+
+
+def test_entry_point_is_installed_and_loads():
+    eps = [ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == "qla_serving"]
+    assert len(eps) == 1, (
+        "no 'qla_serving' entry point in group sglang.srt.plugins: pyproject.toml needs "
+        f"[project.entry-points.\"sglang.srt.plugins\"] qla_serving = \"{ENTRY_POINT}\""
+    )
+    assert eps[0].value == ENTRY_POINT
+    from qla_serving.integrations.sglang import register
+
+    assert eps[0].load() is register
+
+
+def test_sglang_loader_runs_the_plugin(sglang_plugins):
+    from sglang.srt.layers.attention.linear import gdn_backend
+    from sglang.srt.plugins import load_plugins_by_group
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from qla_serving.integrations.sglang import patch
+
+    assert "qla_serving" in load_plugins_by_group("sglang.srt.plugins")
+    # SGLang applied our hooks: the patched functions wrap the originals.
+    for target in (patch.DISPATCHER_INIT, patch.BACKEND_INIT, patch.BACKEND_METADATA):
+        assert target in HookRegistry._patched, target
+    assert hasattr(gdn_backend.GDNKernelDispatcher.__init__, "__wrapped__")
+    assert hasattr(gdn_backend.GDNAttnBackend.init_forward_metadata, "__wrapped__")
+
+
+@pytest.mark.parametrize(
+    "flags, field",
+    [
+        (["--linear-attn-backend", "flashqla"], "linear_attn_backend"),
+        (["--linear-attn-prefill-backend", "flashqla"], "linear_attn_prefill_backend"),
+        (["--linear-attn-decode-backend", "flashqla"], "linear_attn_decode_backend"),
+    ],
+)
+def test_flags_accept_flashqla_and_reach_server_args(sglang_plugins, tiny_model_dir, flags, field):
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(["--model-path", tiny_model_dir, "--skip-tokenizer-init", "--device", "cpu", *flags])
+    assert getattr(args, field) == "flashqla"
+
+
+def test_unknown_backend_name_is_still_rejected(sglang_plugins, tiny_model_dir):
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(SystemExit):
+        prepare_server_args(["--model-path", tiny_model_dir, "--linear-attn-backend", "flashqla_typo"])
+
+
+def _dispatcher_kernels():
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
+
+    backends = resolve_linear_attn_backends()  # SGLang's own resolver: real LinearAttnBackends
+    d = GDNKernelDispatcher(backends.decode, backends.prefill, backends.verify)
+    return backends, d
+
+
+@pytest.mark.parametrize(
+    "flags, ours",
+    [
+        (["--linear-attn-backend", "flashqla"], {"decode", "extend", "verify"}),
+        (["--linear-attn-prefill-backend", "flashqla"], {"extend"}),
+        (["--linear-attn-decode-backend", "flashqla"], {"decode", "verify"}),
+        (["--linear-attn-backend", "flashqla", "--linear-attn-verify-backend", "triton"], {"decode", "extend"}),
+        ([], set()),
+    ],
+)
+def test_dispatcher_returns_our_kernel_for_the_phases_asked(publish_args, flags, ours):
+    from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+    from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend
+
+    from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel
+
+    publish_args(*flags)
+    backends, d = _dispatcher_kernels()
+    if "extend" in ours:
+        assert backends.prefill is LinearAttnKernelBackend.CUSTOM
+    kernels = {"decode": d.decode_kernel, "extend": d.extend_kernel, "verify": d.verify_kernel}
+    for phase, kernel in kernels.items():
+        expected = FlashQLAGDNKernel if phase in ours else TritonGDNKernel
+        assert type(kernel) is expected, (phase, type(kernel).__name__)
+    # One object serves all our phases; trees always go to triton; packed decode only on triton.
+    assert len({id(k) for p, k in kernels.items() if p in ours}) <= 1
+    assert type(d.tree_verify_kernel) is TritonGDNKernel
+    assert d.supports_packed_decode == (type(d.decode_kernel) is TritonGDNKernel)
+    assert not d.verify_kernel_is_flashinfer
+    # SGLang's dispatcher routes a call to the kernel it picked.
+    ours_kernel = next((k for p, k in kernels.items() if p in ours), None)
+    if ours_kernel is not None:
+        assert ours_kernel.fallback is d.tree_verify_kernel
+
+
+def test_another_plugins_custom_backend_is_left_alone(publish_args):
+    """CUSTOM from a name that is not ours reaches SGLang's own error, untouched."""
+    from sglang.srt.arg_groups.choices import LINEAR_ATTN_KERNEL_BACKEND_CHOICES
+    from sglang.srt.server_args import add_linear_attn_kernel_backend_choices
+
+    if "someone_else" not in LINEAR_ATTN_KERNEL_BACKEND_CHOICES:
+        add_linear_attn_kernel_backend_choices(["someone_else"])
+    publish_args("--linear-attn-backend", "someone_else")
+    with pytest.raises(ValueError, match="Unsupported GDN decode backend"):
+        _dispatcher_kernels()
+
+
+def test_version_check_refuses_untested_sglang(monkeypatch):
+    import sglang
+
+    from qla_serving.integrations.sglang import patch
+
+    assert patch.check_sglang() == sglang.__version__
+    monkeypatch.setattr(sglang, "__version__", "0.6.1")
+    monkeypatch.delenv(patch.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(patch.IncompatibleSGLang, match="0.5.17 to 0.5.23, found 0.6.1"):
+        patch.check_sglang()
+    monkeypatch.setenv(patch.ALLOW_UNTESTED_ENV, "1")
+    assert patch.check_sglang() == "0.6.1"
+
+
+def test_version_check_names_a_missing_seam(monkeypatch):
+    from sglang.srt.layers.attention.linear import gdn_backend
+
+    from qla_serving.integrations.sglang import patch
+
+    def changed_init(self, prefill_backend, decode_backend):  # arguments swapped: a layout we do not know
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(gdn_backend.GDNKernelDispatcher, "__init__", changed_init)
+    with pytest.raises(patch.IncompatibleSGLang, match="GDNKernelDispatcher.__init__ takes"):
+        patch.check_sglang()
