@@ -235,7 +235,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         y = causal_conv1d_update_torch(x.unsqueeze(-1), state, self._conv_weights(), self.conv1d.bias,
                                        activation=self.activation).squeeze(-1)
         conv_state[rows] = state
-        return y
+        return y.to(x.dtype)  # vLLM's PyTorch update returns the conv's compute dtype
 
     def _qla_conv_spec(self, x, conv_state, md):
         if not x.is_cuda:

@@ -5,7 +5,7 @@ scripts/ci_vllm.sh) turns a failing vLLM import into an error instead, so CI can
 skipping everything.
 
 On a machine without a GPU the CUDA build of vLLM detects no platform; the tests select
-vLLM's real CPU platform before anything resolves ``current_platform``.
+vLLM's real CPU platform through vLLM's platform-plugin entry point group.
 """
 
 from __future__ import annotations
@@ -17,24 +17,42 @@ import pytest
 
 _REQUIRE = os.environ.get("QLA_REQUIRE_VLLM", "0") == "1"
 
+import torch  # noqa: E402
+
+
+def _register_cpu_platform() -> None:
+    """Make vLLM resolve its real CPU platform on a machine without a GPU.
+
+    The CUDA build of vLLM finds no platform here ("unspecified", which cannot even build a
+    config). vLLM's own seam for choosing a platform is a ``vllm.platform_plugins`` entry
+    point, read when ``vllm`` is first imported; this writes one into a private metadata
+    directory on ``sys.path`` before that import. Nothing is installed.
+    """
+    import sys
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="qla_vllm_cpu_platform_")
+    info = os.path.join(root, "qla_vllm_test_cpu_platform-0.0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: qla-vllm-test-cpu-platform\nVersion: 0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.platform_plugins]\nqla_test_cpu = qla_vllm_helpers:cpu_platform\n")
+    sys.path.insert(0, root)
+
+
+if not torch.cuda.is_available():
+    _register_cpu_platform()
+
 _vllm_error: Exception | None = None
 try:
     import vllm.platforms as _platforms
+
+    _platforms.current_platform  # noqa: B018 - resolve it now, through the plugin above
 except Exception as _e:  # any import failure: a missing or a broken vLLM
     _vllm_error = _e
     if _REQUIRE:
         raise RuntimeError(f"QLA_REQUIRE_VLLM=1 but vllm does not import: {_e!r}") from _e
-
-import torch  # noqa: E402
-
-if _vllm_error is None:
-    # ``import vllm`` already resolved the platform (to "unspecified" without a GPU) but no
-    # module holds it yet, so replacing it now reaches every vLLM module imported later.
-    _unresolved = _platforms._current_platform is None or not _platforms._current_platform.device_type
-    if _unresolved and not torch.cuda.is_available():
-        from vllm.platforms.cpu import CpuPlatform
-
-        _platforms._current_platform = CpuPlatform()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,3 +21,42 @@ def engine_config(model_dir: str, **kwargs):
     return EngineArgs(**args).create_engine_config()
 
 
+
+
+def common_metadata(query_lens, context_lens, slots, device="cpu"):
+    """A real vLLM ``CommonAttentionMetadata`` for one step.
+
+    Args:
+        query_lens: tokens each request schedules this step (decodes first, as vLLM orders them).
+        context_lens: tokens each request had computed before this step.
+        slots: the state slot (mamba block) of each request.
+    """
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q = torch.tensor(query_lens, dtype=torch.int32)
+    seq = q + torch.tensor(context_lens, dtype=torch.int32)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = q.cumsum(0)
+    n_tok = int(qsl[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device),
+        num_reqs=len(query_lens), num_actual_tokens=n_tok, max_query_len=int(q.max()),
+        max_seq_len=int(seq.max()), block_table_tensor=torch.tensor(slots, dtype=torch.int32).view(-1, 1).to(device),
+        slot_mapping=torch.zeros(n_tok, dtype=torch.int64, device=device), _seq_lens_cpu=seq,
+        seq_lens_cpu_upper_bound=seq,
+    )
+
+
+def metadata_builder(layer, vllm_config, device="cpu"):
+    """The metadata builder vLLM would create for ``layer``'s KV-cache group."""
+    import torch
+
+    spec = layer.get_kv_cache_spec(vllm_config)
+    builder_cls = layer.get_attn_backend().get_builder_cls()
+    return builder_cls(spec, [layer.prefix], vllm_config, torch.device(device))
+
+
+def cpu_platform() -> str:
+    """``vllm.platform_plugins`` entry point (registered by conftest on machines without a GPU)."""
+    return "vllm.platforms.cpu.CpuPlatform"

@@ -1,0 +1,86 @@
+"""The metadata builder: fed a real CommonAttentionMetadata, it attaches our prefill plan."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from qla_vllm_helpers import common_metadata, metadata_builder
+from test_plugin import build_gdn_layer
+
+from qla_serving.plan import plan_prefill
+
+
+@pytest.fixture
+def layer(flashqla_config, distributed, monkeypatch):
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    return build_gdn_layer(flashqla_config)
+
+
+def random_batch(num_decodes: int, num_prefills: int, rng: random.Random):
+    """Decodes first (one token, some history), then prefills of random length and history."""
+    query = [1] * num_decodes + [rng.randint(2, 300) for _ in range(num_prefills)]
+    context = [rng.randint(1, 500) for _ in range(num_decodes)] + [
+        rng.choice([0, rng.randint(1, 900)]) for _ in range(num_prefills)]
+    slots = rng.sample(range(1, 64), num_decodes + num_prefills)
+    return query, context, slots
+
+
+@pytest.mark.parametrize("num_decodes, num_prefills", [(0, 1), (0, 4), (3, 2), (5, 5)])
+def test_builder_attaches_the_plan_of_the_prefill_rows(layer, flashqla_config, num_decodes, num_prefills):
+    from qla_serving.integrations.vllm.metadata import QlaGDNAttentionMetadata
+
+    rng = random.Random(torch.initial_seed())
+    query, context, slots = random_batch(num_decodes, num_prefills, rng)
+    builder = metadata_builder(layer, flashqla_config)
+    md = builder.build(0, common_metadata(query, context, slots))
+
+    assert isinstance(md, QlaGDNAttentionMetadata)
+    assert (md.num_decodes, md.num_prefills) == (num_decodes, num_prefills)
+    prefill_lens = query[num_decodes:]
+    want = plan_prefill(torch.tensor([0] + prefill_lens).cumsum(0))
+    plan = md.qla_plan
+    assert torch.equal(plan.cu_seqlens_cpu, want.cu_seqlens_cpu)
+    assert torch.equal(plan.cu_seqlens.cpu(), want.cu_seqlens)
+    assert torch.equal(plan.chunk_indices.cpu(), want.chunk_indices)
+    assert torch.equal(plan.chunk_offsets.cpu(), want.chunk_offsets)
+    assert plan.total_tokens == md.num_prefill_tokens == sum(prefill_lens)
+    # the plan agrees with vLLM's own device-side prefill offsets
+    assert torch.equal(md.prefill_query_start_loc.cpu().long(), plan.cu_seqlens_cpu)
+    assert md.qla_prefill_state_indices.tolist() == slots[num_decodes:]
+    assert md.qla_prefill_has_initial_state.tolist() == [c > 0 for c in context[num_decodes:]]
+
+
+def test_decode_only_step_has_no_plan(layer, flashqla_config):
+    md = metadata_builder(layer, flashqla_config).build(0, common_metadata([1, 1, 1], [5, 9, 2], [4, 7, 9]))
+    assert md.num_prefills == 0 and md.qla_plan is None
+
+
+def test_plan_is_built_once_per_step_for_all_groups(layer, flashqla_config):
+    """Two KV-cache groups (two builders) of one step share one plan object."""
+    m = common_metadata([1, 40, 90], [3, 0, 10], [2, 5, 8])
+    first = metadata_builder(layer, flashqla_config).build(0, m)
+    second = metadata_builder(layer, flashqla_config).build(0, m)
+    assert first.qla_plan is second.qla_plan
+
+
+def test_zero_length_rows_are_left_out_of_the_plan(layer, flashqla_config):
+    """A padded (zero-token) request owns no chunk and no slot in the plan."""
+    m = common_metadata([1, 70, 20, 0], [4, 0, 30, 0], [3, 6, 9, 0])
+    md = metadata_builder(layer, flashqla_config).build(0, m)
+    assert md.qla_plan.seq_lens == [70, 20]
+    assert md.qla_prefill_state_indices.tolist() == [6, 9]
+    assert md.qla_prefill_has_initial_state.tolist() == [False, True]
+
+
+def test_without_flashqla_the_builder_is_vllms(registered, qwen35_model_dir, distributed):
+    from qla_vllm_helpers import engine_config
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, GDNAttentionMetadataBuilder
+
+    cfg = engine_config(qwen35_model_dir)
+    layer = build_gdn_layer(cfg)
+    builder = metadata_builder(layer, cfg)
+    assert type(builder) is GDNAttentionMetadataBuilder
+    md = builder.build(0, common_metadata([1, 40], [3, 0], [2, 5]))
+    assert type(md) is GDNAttentionMetadata

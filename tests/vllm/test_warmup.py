@@ -1,0 +1,69 @@
+"""The start-up compile hook: tolerant of missing kernel modules, strict under QLA_STRICT=1."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from qla_serving.backend import KernelUnavailable
+
+
+def test_steps_of_a_static_config_cover_prefill_decode_and_spec():
+    from qla_serving.integrations.vllm import warmup
+
+    cfg = warmup.StaticConfig(device="cpu", num_qk_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128,
+                              dtype=torch.bfloat16, state_dtype=torch.float32, gate_dtype=torch.float32,
+                              bias_dtype=torch.bfloat16, num_spec_tokens=2)
+    names = [name for name, _ in warmup.warmup_steps(cfg, torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16))]
+    assert {"prefill call", "decode call", "speculative-verify call"} <= set(names)
+    no_spec = warmup.StaticConfig(**{**cfg.__dict__, "num_spec_tokens": 0})
+    assert "speculative-verify call" not in [n for n, _ in warmup.warmup_steps(no_spec, torch.zeros(4), torch.zeros(4))]
+
+
+def test_missing_kernel_module_is_logged_not_fatal(monkeypatch):
+    from qla_serving.integrations.vllm import warmup
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("vllm.qla_serving").addHandler(handler)
+    try:
+        assert warmup._kernel_warmup("no_such_kernel_module") is None
+    finally:
+        logging.getLogger("vllm.qla_serving").removeHandler(handler)
+    assert any("no_such_kernel_module" in m for m in seen)
+
+
+def test_failed_step_counts_or_raises_in_strict(monkeypatch):
+    from qla_serving.integrations.vllm import warmup
+
+    calls = []
+
+    def boom():
+        raise RuntimeError("compiler exploded")
+
+    steps = [("ok", lambda: calls.append(1)), ("boom", boom), ("ok again", lambda: calls.append(2))]
+    monkeypatch.delenv("QLA_STRICT", raising=False)
+    assert warmup.run_steps(steps, "test") == 1 and calls == [1, 2]
+    monkeypatch.setenv("QLA_STRICT", "1")
+    with pytest.raises(KernelUnavailable, match="compiler exploded"):
+        warmup.run_steps(steps, "test")
+
+
+def test_profile_run_on_cpu_compiles_nothing(flashqla_config, distributed, monkeypatch):
+    """vLLM's profiling pass (no metadata) reaches our hook; on the CPU it has nothing to build."""
+    from test_plugin import build_gdn_layer
+    from vllm.forward_context import set_forward_context
+
+    from qla_serving.integrations.vllm import warmup
+
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    layer = build_gdn_layer(flashqla_config)
+    out = torch.zeros(8, layer.num_v_heads, layer.head_v_dim, dtype=torch.bfloat16)
+    qkv = torch.randn(8, 2 * 2 * 128 + 4 * 128).to(torch.bfloat16)
+    before = set(warmup._done)
+    with set_forward_context(None, flashqla_config):
+        layer._forward_core(mixed_qkv=qkv, b=torch.zeros(8, 4), a=torch.zeros(8, 4), core_attn_out=out)
+    assert warmup._done == before and not out.any()
