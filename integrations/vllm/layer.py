@@ -102,10 +102,13 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             )
         self.qla_active = support.decide(reason)
         if self.qla_active:
-            # vLLM >= 0.28 sends speculative decode to a fused CUDA kernel that bypasses
-            # _forward_core; with flashqla every step goes through _forward_core.
-            if hasattr(self, "enable_fused_gdn_spec_decode"):
-                self.enable_fused_gdn_spec_decode = False
+            # vLLM >= 0.28 can send (speculative) decode to a fused CUDA kernel that bypasses
+            # _forward_core (the flag is enable_fused_gdn_decode in 0.28-0.31,
+            # enable_fused_gdn_spec_decode in 0.32); with flashqla every step goes through
+            # _forward_core.
+            for flag in ("enable_fused_gdn_decode", "enable_fused_gdn_spec_decode"):
+                if hasattr(self, flag):
+                    setattr(self, flag, False)
             self.enable_packed_recurrent_decode = False
 
     def get_attn_backend(self):

@@ -37,11 +37,14 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
         qla_prefill_state_indices: ``[plan.num_seqs]`` int32 on the device — pool slot of each
             planned sequence (vLLM's ``prefill_state_indices`` without zero-length rows).
         qla_prefill_has_initial_state: ``[plan.num_seqs]`` bool on the device.
+        qla_prefill_rows: ``[plan.num_seqs]`` int64 on the device — which of vLLM's prefill
+            rows the plan keeps, or None when it keeps them all.
     """
 
     qla_plan: PrefillPlan | None = None
     qla_prefill_state_indices: torch.Tensor | None = None
     qla_prefill_has_initial_state: torch.Tensor | None = None
+    qla_prefill_rows: torch.Tensor | None = None
 
 
 def prefill_query_lens_cpu(
@@ -129,6 +132,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                 "rows; this vLLM is not supported by the plugin"
             )
         keep = lens > 0
+        rows = None
         if not bool(keep.all()):
             # Zero-length rows (padding) own no tokens; dropping them keeps every planned
             # sequence on a distinct, real slot.
@@ -141,6 +145,19 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         md.qla_plan = cached_plan(cu, m.query_start_loc.device)
         md.qla_prefill_state_indices = state_indices
         md.qla_prefill_has_initial_state = has_initial
+        md.qla_prefill_rows = rows
+
+    def update_block_table(self, metadata, blk_table, slot_mapping):  # vLLM >= 0.31
+        """vLLM's re-gather of another KV-cache group's state indices, ours re-derived too.
+
+        (vLLM 0.31-0.32 only reuses metadata this way for its own exact builder class, so this
+        is a safeguard should that change.)"""
+        new = super().update_block_table(metadata, blk_table, slot_mapping)
+        if isinstance(new, QlaGDNAttentionMetadata) and new.qla_plan is not None:
+            idx = new.prefill_state_indices
+            new.qla_prefill_state_indices = idx if new.qla_prefill_rows is None else idx.index_select(
+                0, new.qla_prefill_rows)
+        return new
 
 
 class QlaGDNAttentionBackend(GDNAttentionBackend):
