@@ -1,0 +1,173 @@
+"""Binding to a model runner: fallback to SGLang's triton kernel with one warning, strict mode,
+start-up compilation. The dispatcher is SGLang's real one, built from real LinearAttnBackends."""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from qla_serving import backend as qla_backend
+
+
+@pytest.fixture
+def dispatcher(publish_args):
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
+
+    publish_args("--linear-attn-backend", "flashqla")
+    backends = resolve_linear_attn_backends()
+    return GDNKernelDispatcher(backends.decode, backends.prefill, backends.verify)
+
+
+def runner(head_dim=128, dtype=torch.bfloat16, pool_dtype=torch.float32, device="cpu", draft_tokens=None):
+    """The attributes of SGLang's ModelRunner that binding reads (a real one needs a GPU and weights)."""
+    temporal = torch.zeros(3, 5, 4, head_dim, head_dim, dtype=pool_dtype)  # [layers, slots, HV, V, K]
+    pool = types.SimpleNamespace(mamba_pool=types.SimpleNamespace(mamba_cache=types.SimpleNamespace(temporal=temporal)))
+    layer = torch.nn.Module()
+    layer.num_k_heads, layer.num_v_heads, layer.head_k_dim = 2, 4, head_dim
+    layer.A_log = torch.nn.Parameter(torch.zeros(4))
+    layer.dt_bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    return types.SimpleNamespace(req_to_token_pool=pool, dtype=dtype, device=device, model=layer,
+                                 server_args=types.SimpleNamespace(speculative_num_draft_tokens=draft_tokens))
+
+
+def gdn_backend_with(dispatcher):
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+
+    backend = object.__new__(GDNAttnBackend)
+    backend.kernel_dispatcher = dispatcher
+    return backend
+
+
+def kernel_types(d):
+    return {type(d.decode_kernel).__name__, type(d.extend_kernel).__name__, type(d.verify_kernel).__name__}
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    from qla_serving.integrations.sglang import kernel
+
+    monkeypatch.setattr(kernel, "_fallback_warned", set())
+    monkeypatch.delenv("QLA_STRICT", raising=False)
+    monkeypatch.delenv("QLA_FORCE_REFERENCE", raising=False)
+
+
+def test_unsupported_device_falls_back_to_triton_with_one_warning(dispatcher, caplog):
+    from qla_serving.integrations.sglang import patch
+
+    assert kernel_types(dispatcher) == {"FlashQLAGDNKernel"}
+    with caplog.at_level(logging.WARNING, logger="qla_serving"):
+        # SGLang's GDNAttnBackend.__init__ runs this hook after building the dispatcher.
+        patch._backend_init_after(None, gdn_backend_with(dispatcher), runner())
+        second = patch.our_kernel(dispatcher)
+    assert second is None
+    assert kernel_types(dispatcher) == {"TritonGDNKernel"}
+    assert dispatcher.supports_packed_decode == dispatcher.decode_kernel.supports_packed_decode
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "tensors are on cpu" in warnings[0].getMessage()
+    assert "triton" in warnings[0].getMessage()
+
+
+def test_the_warning_is_given_once_per_reason(dispatcher, caplog):
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
+
+    from qla_serving.integrations.sglang.kernel import bind_to_runner
+    from qla_serving.integrations.sglang.patch import our_kernel
+
+    # (published by the fixture: SGLang re-installs the root log handlers when it publishes)
+    with caplog.at_level(logging.WARNING, logger="qla_serving"):
+        for _ in range(3):  # target and draft runners, restarts in one process
+            b = resolve_linear_attn_backends()
+            d = GDNKernelDispatcher(b.decode, b.prefill, b.verify)
+            assert bind_to_runner(our_kernel(d), d, gdn_backend_with(d), runner()) is not None
+            assert kernel_types(d) == {"TritonGDNKernel"}
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+def test_strict_mode_raises_instead(dispatcher, monkeypatch):
+    from qla_serving.integrations.sglang import patch
+
+    monkeypatch.setenv("QLA_STRICT", "1")
+    with pytest.raises(qla_backend.KernelUnavailable, match="QLA_STRICT=1"):
+        patch._backend_init_after(None, gdn_backend_with(dispatcher), runner())
+
+
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        (dict(head_dim=64), "K=64, V=64"),
+        (dict(dtype=torch.float32), "activations are torch.float32"),
+    ],
+)
+def test_unsupported_model_config_on_a_supported_gpu(dispatcher, monkeypatch, caplog, config, reason):
+    from qla_serving.integrations.sglang.kernel import bind_to_runner
+    from qla_serving.integrations.sglang.patch import our_kernel
+
+    # Pretend the device itself is fine (an SM90 GPU with TileLang) so the model's config decides.
+    monkeypatch.setattr(qla_backend, "device_unsupported_reason", lambda device: None)
+    with caplog.at_level(logging.WARNING, logger="qla_serving"):
+        got = bind_to_runner(our_kernel(dispatcher), dispatcher, gdn_backend_with(dispatcher), runner(**config))
+    assert reason in got
+    assert kernel_types(dispatcher) == {"TritonGDNKernel"}
+    assert any(reason in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("QLA_STRICT", "1")
+    with pytest.raises(qla_backend.KernelUnavailable, match=reason.split(",")[0]):
+        bind_to_runner(object(), dispatcher, None, runner(**config))
+
+
+def test_supported_config_keeps_our_kernel_and_compiles_at_start_up(dispatcher, monkeypatch):
+    from qla_serving.integrations.sglang import warmup
+    from qla_serving.integrations.sglang.kernel import bind_to_runner
+    from qla_serving.integrations.sglang.patch import our_kernel
+
+    monkeypatch.setattr(qla_backend, "device_unsupported_reason", lambda device: None)
+    compiled = []
+    monkeypatch.setattr(warmup, "warmup_kernels", lambda **cfg: compiled.append(cfg) or 0)
+    kernel = our_kernel(dispatcher)
+    assert bind_to_runner(kernel, dispatcher, gdn_backend_with(dispatcher), runner(draft_tokens=4)) is None
+    assert kernel_types(dispatcher) == {"FlashQLAGDNKernel"}
+    assert len(compiled) == 1
+    cfg = compiled[0]
+    assert cfg["phases"] == {"decode", "prefill", "verify"} and cfg["num_qk_heads"] == 2 and cfg["num_v_heads"] == 4
+    assert cfg["dtype"] == torch.bfloat16 and cfg["pool_dtype"] == torch.float32 and cfg["draft_tokens"] == 4
+    specs = warmup.warmup_specs(**cfg)
+    assert [s[0] for s in specs] == ["prefill", "decode", "verify T=4"]
+    verify_kwargs = specs[2][3]
+    assert verify_kwargs["T"] == 4 and verify_kwargs["intermediate_states"] and not verify_kwargs["inplace_final_state"]
+
+
+def test_force_reference_keeps_our_kernel(dispatcher, monkeypatch):
+    from qla_serving.integrations.sglang.kernel import bind_to_runner
+    from qla_serving.integrations.sglang.patch import our_kernel
+
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    assert bind_to_runner(our_kernel(dispatcher), dispatcher, gdn_backend_with(dispatcher), runner()) is None
+    assert kernel_types(dispatcher) == {"FlashQLAGDNKernel"}
+
+
+calls = []
+
+
+def fake_warmup(**kwargs):
+    calls.append(kwargs)
+
+
+def test_warmup_runs_what_exists_and_logs_what_does_not(monkeypatch, caplog):
+    from qla_serving.integrations.sglang import warmup
+
+    calls.clear()
+    specs = [
+        ("decode", __name__, "fake_warmup", {"T": 1}),
+        ("prefill", "qla_serving", "no_such_warmup", {}),
+        ("verify", "qla_serving.no_such_module", "warmup", {}),
+    ]
+    monkeypatch.setattr(warmup, "warmup_specs", lambda **cfg: specs)
+    with caplog.at_level(logging.WARNING, logger="qla_serving"):
+        done = warmup.warmup_kernels(phases={"decode"}, num_qk_heads=2, num_v_heads=4,
+                                     dtype=torch.bfloat16, pool_dtype=torch.float32)
+    assert done == 1 and calls == [{"T": 1}]
+    messages = " | ".join(r.getMessage() for r in caplog.records)
+    assert "qla_serving has no no_such_warmup()" in messages
+    assert "qla_serving.no_such_module does not import" in messages
