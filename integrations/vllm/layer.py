@@ -24,6 +24,7 @@ does, so the cached blocks hold the same states vLLM's FlashInfer and Triton pat
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 
@@ -34,7 +35,8 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     ChunkGatedDeltaRule,
     QwenGatedDeltaNetAttention,
 )
-from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.model_executor.custom_op import CustomOp
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, is_conv_state_dim_first
 
 import qla_serving
 from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
@@ -50,16 +52,34 @@ logger = logging.getLogger("vllm.qla_serving")
 VLLM_NULL_BLOCK_ID = 0
 
 
+_announced = False
+
+# Set while a QlaGatedDeltaNetAttention runs vLLM's constructor: whether that layer will run on
+# qla-serving, so the chunk op it builds knows (vLLM builds the op inside the constructor).
+_building_active_layer: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "qla_building_active_layer", default=False)
+
+
 class QlaChunkGatedDeltaRule(ChunkGatedDeltaRule):
-    """vLLM's chunk op. With ``flashqla`` requested it resolves vLLM's own backend as for the
-    default ("auto"), so a layer that falls back runs exactly what vLLM runs by default
-    (vLLM's resolver would otherwise treat the unknown name as a request for Triton)."""
+    """vLLM's chunk op, told about ``flashqla``.
+
+    * Inside a layer that runs on qla-serving the op is never called: it skips vLLM's backend
+      resolution (whose log would name a kernel that does not run) and records ``flashqla``.
+    * Inside a layer that fell back, it resolves vLLM's backend as for the default ("auto"),
+      so the layer runs exactly what vLLM runs by default (vLLM's resolver would otherwise
+      read the unknown name as a request for Triton).
+    """
 
     def __init__(self) -> None:
         vllm_config = get_current_vllm_config()
         extra = getattr(vllm_config, "additional_config", None)
         if not flashqla_requested(vllm_config) or not isinstance(extra, dict):
             super().__init__()
+            return
+        if _building_active_layer.get():
+            CustomOp.__init__(self)
+            self.gdn_prefill_backend = BACKEND_NAME
+            self._forward_method = self.forward_native
             return
         extra[CONFIG_KEY] = "auto"
         try:
@@ -86,22 +106,16 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     """
 
     def __init__(self, config, vllm_config, prefix: str = "", *args, **kwargs) -> None:
-        super().__init__(config, vllm_config, prefix, *args, **kwargs)
-        self.qla_requested = flashqla_requested(vllm_config)
-        self.qla_active = False
-        if not self.qla_requested:
-            return
-        _, state_dtype = self.get_state_dtype()
-        if os.environ.get("QLA_FORCE_REFERENCE") == "1":
-            # Run the integration on the ops' PyTorch reference (any device, e.g. CPU tests).
-            reason = None
-        else:
-            reason = support.unsupported_reason(
-                vllm_config.device_config.device, self.head_k_dim, self.head_v_dim,
-                vllm_config.model_config.dtype, state_dtype,
-            )
-        self.qla_active = support.decide(reason)
-        if self.qla_active:
+        requested = flashqla_requested(vllm_config)
+        active = requested and support.decide(self._qla_unsupported_reason(config, vllm_config))
+        token = _building_active_layer.set(active)
+        try:
+            super().__init__(config, vllm_config, prefix, *args, **kwargs)
+        finally:
+            _building_active_layer.reset(token)
+        self.qla_requested = requested
+        self.qla_active = active
+        if active:
             # vLLM >= 0.28 can send (speculative) decode to a fused CUDA kernel that bypasses
             # _forward_core (the flag is enable_fused_gdn_decode in 0.28-0.31,
             # enable_fused_gdn_spec_decode in 0.32); with flashqla every step goes through
@@ -110,6 +124,24 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 if hasattr(self, flag):
                     setattr(self, flag, False)
             self.enable_packed_recurrent_decode = False
+            global _announced
+            if not _announced:
+                _announced = True
+                logger.info("qla-serving: GDN layers run on flashqla (prefill, decode, speculative verify)")
+
+    @staticmethod
+    def _qla_unsupported_reason(config, vllm_config) -> str | None:
+        """Why this layer cannot run on qla-serving, from the configs alone (before vLLM's
+        constructor, so the chunk op it builds knows)."""
+        if os.environ.get("QLA_FORCE_REFERENCE") == "1":
+            return None  # run the integration on the ops' PyTorch reference (any device, e.g. CPU tests)
+        cache = vllm_config.cache_config
+        _, state_dtype = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
+        return support.unsupported_reason(
+            vllm_config.device_config.device, config.linear_key_head_dim, config.linear_value_head_dim,
+            vllm_config.model_config.dtype, state_dtype,
+        )
 
     def get_attn_backend(self):
         """vLLM's GDN backend whose metadata builder also plans qla-serving's prefill."""

@@ -124,6 +124,7 @@ def test_qwen35_layer_resolves_to_ours(flashqla_config, distributed, monkeypatch
     assert layer.qla_active
     assert (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim) == (2, 4, 128, 128)
     assert isinstance(layer.chunk_gated_delta_rule, QlaChunkGatedDeltaRule)
+    assert layer.chunk_gated_delta_rule.gdn_prefill_backend == "flashqla"
     assert layer.get_attn_backend() is QlaGDNAttentionBackend
     assert QlaGDNAttentionBackend.get_builder_cls() is QlaGDNAttentionMetadataBuilder
     # the config is left as the user set it after the chunk op resolved vLLM's default
