@@ -9,11 +9,15 @@ PREFILL_CONFIGS: dict = {}
 
 # Decode step (qla_serving.kernels.decode).
 DECODE_CONFIGS: dict = {
-    # One CTA per (sequence, value head, rows_per_cta state rows); 8 lanes per row.
-    "rows_per_cta": 32,
-    "threads": 128,
-    # Few (sequence, head) pairs: halve the tile so more CTAs share the memory latency.
-    "small_rows_per_cta": 16,
-    "small_threads": 128,
+    # Per pool dtype. One CTA per (sequence, value head, rows_per_cta state rows); 8 lanes
+    # per row, so each thread holds rows_per_cta * 8 / threads rows. Measured on H100
+    # (bench decode --sweep-tiles, e2e_bench/results/*decode-tiles*): fp32 runs at the copy
+    # rate with any tile from batch 64 (within 0.5%); bf16 needs more 16-byte loads in
+    # flight per thread: 32x64 gives 2834 GB/s at 16/64 heads, batch 256, against 2602 for
+    # 32x128 and 2324 for 16x128. With at most small_max_pairs (sequence, head) pairs the
+    # 16x128 tile (more CTAs) is fastest: 16/64 heads batch 1, 2/8 heads batch 8.
+    "float32": {"rows_per_cta": 32, "threads": 128, "small_rows_per_cta": 16, "small_threads": 128},
+    "bfloat16": {"rows_per_cta": 32, "threads": 64, "small_rows_per_cta": 16, "small_threads": 128},
+    # At most this many (sequence, value head) pairs: the small tile, for more CTAs in flight.
     "small_max_pairs": 128,
 }

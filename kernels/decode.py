@@ -207,10 +207,10 @@ def _get_kernel(key: tuple):
     return kernel
 
 
-def _tile_for(num_heads_total: int) -> tuple[int, int]:
-    """(rows_per_cta, threads) from DECODE_CONFIGS: smaller tiles when few (n, hv) pairs."""
-    cfg = DECODE_CONFIGS
-    if num_heads_total <= cfg["small_max_pairs"]:
+def _tile_for(num_pairs: int, pool_dtype: torch.dtype) -> tuple[int, int]:
+    """(rows_per_cta, threads) from DECODE_CONFIGS: a smaller tile when few (n, hv) pairs."""
+    cfg = DECODE_CONFIGS[_TL_DTYPES[pool_dtype]]
+    if num_pairs <= DECODE_CONFIGS["small_max_pairs"]:
         return cfg["small_rows_per_cta"], cfg["small_threads"]
     return cfg["rows_per_cta"], cfg["threads"]
 
@@ -237,8 +237,7 @@ def warmup(H: int, HV: int, T: int = 1, *, dtype: torch.dtype = torch.bfloat16,
         the number of kernels compiled by this call (0 when all were cached).
     """
     before = compile_count
-    cfg = DECODE_CONFIGS
-    for tile in {(cfg["rows_per_cta"], cfg["threads"]), (cfg["small_rows_per_cta"], cfg["small_threads"])}:
+    for tile in {_tile_for(1, pool_dtype), _tile_for(1 << 30, pool_dtype)}:
         _get_kernel(_key(H, HV, T, dtype, dtype, gate_dtype, gate_dtype, pool_dtype, index_dtype, use_qk_l2norm,
                          intermediate_states, inplace_final_state, tile))
     return compile_count - before
@@ -290,7 +289,8 @@ def gated_delta_rule_decode_fwd(q, k, v, a, b, A_log, dt_bias, *, state_pool, st
     if N == 0:
         return
     key = _key(H, HV, T_tok, q.dtype, a.dtype, A_log.dtype, dt_bias.dtype, state_pool.dtype, state_indices.dtype,
-               use_qk_l2norm, intermediate_states is not None, inplace_final_state, _tile_for(N * HV))
+               use_qk_l2norm, intermediate_states is not None, inplace_final_state,
+               _tile_for(N * HV, state_pool.dtype))
     kernel = _get_kernel(key)
     kernel(q, k, v, a, b, A_log, dt_bias, pool_flat, state_indices, out, inter_flat,
            slot_stride // vec, float(scale))

@@ -192,13 +192,16 @@ def sweep_tiles(tiles, batches, heads, states, iters) -> list[str]:
     """Time our kernel under other (rows_per_cta, threads) tiles: the evidence for DECODE_CONFIGS."""
     from qla_serving.kernels import configs
 
-    saved = dict(configs.DECODE_CONFIGS)
+    import copy
+
+    saved = copy.deepcopy(configs.DECODE_CONFIGS)
     lines = ["| tile | hqk/hv | state | batch | us | GB/s |", "|---|---|---|---|---|---|"]
     try:
         for rows_per_cta, threads in tiles:
             # Force the tile for every batch size.
-            configs.DECODE_CONFIGS.update(rows_per_cta=rows_per_cta, threads=threads, small_rows_per_cta=rows_per_cta,
-                                          small_threads=threads)
+            for name in ("float32", "bfloat16"):
+                configs.DECODE_CONFIGS[name].update(rows_per_cta=rows_per_cta, threads=threads,
+                                                    small_rows_per_cta=rows_per_cta, small_threads=threads)
             rows, _ = run(batches, heads, states, ["qla"], iters, log=lambda s: None)
             for r in rows:
                 lines.append(f"| {rows_per_cta}x{threads} | {r['hqk']}/{r['hv']} | {r['state']} | {r['batch']} | "
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="H/HV pairs, e.g. 16/64 2/8")
     ap.add_argument("--state", choices=list(STATE_DTYPES), nargs="+", default=list(STATE_DTYPES))
     ap.add_argument("--impls", choices=IMPLS, nargs="+", default=list(IMPLS))
-    ap.add_argument("--iters", type=int, default=50, help="timed graph replays per cell")
+    ap.add_argument("--iters", type=int, default=100, help="timed graph replays per cell")
     ap.add_argument("--out-dir", default=None, help="results directory (default e2e_bench/results)")
     ap.add_argument("--sweep-tiles", type=_parse_tile, nargs="+", default=None, metavar="ROWSxTHREADS",
                     help="instead of the comparison, time our kernel with these tiles (printed, not saved)")
