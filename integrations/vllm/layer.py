@@ -337,11 +337,13 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         """
         slots = md.spec_state_indices_tensor
         rows, T = slots.shape[0], slots.shape[1]
-        if x.shape[0] != rows * T:
+        if getattr(md, "qla_spec_uniform", True) is False or x.shape[0] < rows * T:
             raise NotImplementedError(
                 f"qla-serving: speculative rows of unequal length ({x.shape[0]} tokens over {rows} rows of "
                 f"up to {T}); the plugin runs uniform draft lengths (EAGLE/MTP)"
             )
+        # Tokens past rows * T are CUDA-graph padding of the batch.
+        x, a, b = x[: rows * T], a[: rows * T], b[: rows * T]
         q, k, v = self._split_qkv(x)
         H, K = q.shape[1], q.shape[2]
         HV, V = v.shape[1], v.shape[2]

@@ -39,12 +39,15 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
         qla_prefill_has_initial_state: ``[plan.num_seqs]`` bool on the device.
         qla_prefill_rows: ``[plan.num_seqs]`` int64 on the device — which of vLLM's prefill
             rows the plan keeps, or None when it keeps them all.
+        qla_spec_uniform: with speculative rows, whether every one has ``num_spec + 1``
+            tokens (host-side, so the layer knows without a sync); None without them.
     """
 
     qla_plan: PrefillPlan | None = None
     qla_prefill_state_indices: torch.Tensor | None = None
     qla_prefill_has_initial_state: torch.Tensor | None = None
     qla_prefill_rows: torch.Tensor | None = None
+    qla_spec_uniform: bool | None = None
 
 
 def prefill_query_lens_cpu(
@@ -109,14 +112,24 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         out = QlaGDNAttentionMetadata(**fields)
         if md.num_prefills > 0:
             self._attach_plan(out, common_attn_metadata, num_decode_draft_tokens_cpu)
+        if md.spec_sequence_masks is not None:
+            m = common_attn_metadata
+            mask = self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)
+            lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff()[mask[: m.num_reqs]]
+            out.qla_spec_uniform = bool((lens == self.num_spec + 1).all())
         return out
+
+    @staticmethod
+    def _spec_mask_cpu(md, num_decode_draft_tokens_cpu):
+        mask = getattr(md, "spec_sequence_masks_cpu", None)  # vLLM >= 0.31 keeps it
+        if mask is None:
+            mask = num_decode_draft_tokens_cpu >= 0  # what vLLM derives it from
+        return mask
 
     def _attach_plan(self, md: QlaGDNAttentionMetadata, m, num_decode_draft_tokens_cpu) -> None:
         spec_mask_cpu = None
         if md.spec_sequence_masks is not None:
-            spec_mask_cpu = getattr(md, "spec_sequence_masks_cpu", None)  # vLLM >= 0.31 keeps it
-            if spec_mask_cpu is None:
-                spec_mask_cpu = num_decode_draft_tokens_cpu >= 0  # what vLLM derives it from
+            spec_mask_cpu = self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)
         lens = prefill_query_lens_cpu(m.query_start_loc_cpu, m.num_reqs, md.num_decodes, spec_mask_cpu)
         if int(lens.sum()) != md.num_prefill_tokens:
             raise RuntimeError(

@@ -139,3 +139,46 @@ def test_decode_continues_a_prefill(flashqla_config, distributed, monkeypatch):
     scale = o_ref.abs().max().item()
     assert (out.double() - o_ref).abs().max().item() <= 2e-2 * scale
     assert (ssm_state[slot].double() - final_ref[0]).abs().max().item() <= 2e-2 * final_ref.abs().max().item()
+
+
+def test_speculative_verify_reads_the_accepted_slot_and_fills_every_position(flashqla_config, distributed,
+                                                                             monkeypatch):
+    """vLLM's speculative layout: row i resumes from slot ``spec_state_indices[i, accepted_i - 1]``
+    and the state after draft token t goes to ``spec_state_indices[i, t]``. The conv of this path
+    is vLLM's CUDA kernel, so the recurrence is driven directly with vLLM's metadata class."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from qla_serving.ops.gated_delta_rule.naive import recurrent_decode_ref
+
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    layer, _ = fresh_layer(flashqla_config)
+    _, ssm_state = layer.kv_cache
+    H, HV, K, V = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    rows, T = 3, 3
+    gen = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
+    slots = torch.randperm(NUM_SLOTS - 1, generator=gen)[: rows * T].add(1).view(rows, T).to(torch.int32)
+    accepted = torch.randint(1, T + 1, (rows,), generator=gen, dtype=torch.int32)
+    dt = flashqla_config.model_config.dtype
+    x = torch.randn(rows * T, 2 * H * K + HV * V, generator=gen).to(dt)
+    a, b = torch.randn(rows * T, HV, generator=gen).to(dt), torch.randn(rows * T, HV, generator=gen).to(dt)
+    md = GDNAttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0, num_spec_decodes=rows,
+        num_spec_decode_tokens=rows * T, num_actual_tokens=rows * T, spec_state_indices_tensor=slots,
+        num_accepted_tokens=accepted, spec_sequence_masks=torch.ones(rows, dtype=torch.bool))
+    before = ssm_state.clone()
+
+    o = layer._qla_spec_decode(x, a, b, ssm_state, md)
+
+    q = x[:, : H * K].reshape(rows, T, H, K)
+    k = x[:, H * K: 2 * H * K].reshape(rows, T, H, K)
+    v = x[:, 2 * H * K:].reshape(rows, T, HV, V)
+    init = before[slots[torch.arange(rows), accepted.long() - 1].long()]
+    o_ref, states_ref = recurrent_decode_ref(q, k, v, a.view(rows, T, HV), b.view(rows, T, HV), layer.A_log,
+                                             layer.dt_bias, init, scale=K**-0.5, use_qk_l2norm=True)
+    assert (o.double() - o_ref.reshape(rows * T, HV, V)).abs().max() <= 2e-2 * o_ref.abs().max()
+    for i in range(rows):
+        for t in range(T):
+            got = ssm_state[slots[i, t]].double()
+            assert (got - states_ref[i, t]).abs().max() <= 2e-2 * states_ref[i, t].abs().max() + 1e-3, (i, t)
+    others = [s for s in range(NUM_SLOTS) if s not in slots.flatten().tolist()]
+    assert torch.equal(ssm_state[others], before[others])
