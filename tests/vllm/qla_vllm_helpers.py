@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 # A Qwen3.5-shaped text config (GDN layers with K = V = 128 and GVA 2 -> 4 heads), small.
 QWEN35_TEXT = dict(
     hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -60,3 +62,18 @@ def metadata_builder(layer, vllm_config, device="cpu"):
 def cpu_platform() -> str:
     """``vllm.platform_plugins`` entry point (registered by conftest on machines without a GPU)."""
     return "vllm.platforms.cpu.CpuPlatform"
+
+
+_layer_ids = itertools.count()
+
+
+def build_gdn_layer(vllm_config):
+    """vLLM's ``QwenGatedDeltaNetAttention`` built the way Qwen3.5's decoder layer builds it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    with set_current_vllm_config(vllm_config):
+        return QwenGatedDeltaNetAttention(
+            vllm_config.model_config.hf_text_config, vllm_config,
+            prefix=f"model.layers.{next(_layer_ids)}.linear_attn", gqa_interleaved_layout=False,
+        )

@@ -4,29 +4,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import itertools
 
 import pytest
 import torch
 
 from qla_serving.backend import KernelUnavailable
 
-from qla_vllm_helpers import QWEN35_TEXT, engine_config
-
-_layer_ids = itertools.count()
-
-
-def build_gdn_layer(vllm_config):
-    """vLLM's ``QwenGatedDeltaNetAttention`` built the way Qwen3.5's decoder layer builds it."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
-
-    with set_current_vllm_config(vllm_config):
-        return QwenGatedDeltaNetAttention(
-            vllm_config.model_config.hf_text_config, vllm_config,
-            prefix=f"model.layers.{next(_layer_ids)}.linear_attn", gqa_interleaved_layout=False,
-        )
-
+from qla_vllm_helpers import QWEN35_TEXT, build_gdn_layer, engine_config
 
 class _Records(logging.Handler):
     def __init__(self):

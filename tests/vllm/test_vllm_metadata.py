@@ -6,8 +6,7 @@ import random
 
 import pytest
 import torch
-from qla_vllm_helpers import common_metadata, metadata_builder
-from test_plugin import build_gdn_layer
+from qla_vllm_helpers import build_gdn_layer, common_metadata, metadata_builder
 
 from qla_serving.plan import plan_prefill
 

@@ -13,8 +13,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from qla_vllm_helpers import common_metadata, metadata_builder
-from test_plugin import build_gdn_layer
+from qla_vllm_helpers import build_gdn_layer, common_metadata, metadata_builder
 
 from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_gated_delta_rule_ref
 

@@ -54,7 +54,7 @@ def test_failed_step_counts_or_raises_in_strict(monkeypatch):
 
 def test_profile_run_on_cpu_compiles_nothing(flashqla_config, distributed, monkeypatch):
     """vLLM's profiling pass (no metadata) reaches our hook; on the CPU it has nothing to build."""
-    from test_plugin import build_gdn_layer
+    from qla_vllm_helpers import build_gdn_layer
     from vllm.forward_context import set_forward_context
 
     from qla_serving.integrations.vllm import warmup
