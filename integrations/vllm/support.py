@@ -39,6 +39,23 @@ def _required_tilelang() -> str | None:
     return None
 
 
+def _installed_tilelang() -> str | None:
+    """The version of the TileLang that imports (a staged copy on PYTHONPATH can differ from
+    the one pip installed, so ask the module first, then the metadata)."""
+    try:
+        import tilelang
+
+        version = getattr(tilelang, "__version__", None)
+        if version:
+            return str(version)
+    except Exception:  # a TileLang that does not even import: let the kernels report it
+        return None
+    try:
+        return importlib.metadata.version("tilelang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def tilelang_unsupported_reason() -> str | None:
     """Why the installed TileLang cannot build the kernels, or None.
 
@@ -51,11 +68,10 @@ def tilelang_unsupported_reason() -> str | None:
     want = _required_tilelang()
     if want is None or os.environ.get("QLA_ALLOW_TILELANG") == "1":
         return None
-    try:
-        have = importlib.metadata.version("tilelang")
-    except importlib.metadata.PackageNotFoundError:
-        return None  # imported from a path (a staged bundle): nothing to compare
-    if have != want:
+    have = _installed_tilelang()
+    if have is None:
+        return None  # no version to compare with
+    if have.split("+")[0] != want:
         return f"TileLang {have} is installed but the kernels are built for TileLang {want}"
     return None
 
