@@ -12,6 +12,12 @@ so selecting an out-of-tree GDN kernel needs a patch. It is applied with SGLang'
    back with one warning (``QLA_STRICT=1``: raise) — and compiles them up front.
 3. ``GDNAttnBackend.init_forward_metadata`` (AFTER): once per forward batch, builds the
    prefill plan from SGLang's CPU-side lengths, shared by every GDN layer.
+4. ``arg_groups.overrides.supports_mamba_cache_extra_buffer`` (AROUND): SGLang allows the
+   ``extra_buffer`` mamba radix-cache strategy (and with it the overlap scheduler) only when
+   ``--linear-attn-backend`` is ``triton``; ``flashqla`` keeps the same state-tracking contract
+   (in-place pool, chunk-boundary snapshots), so it gets triton's answer. Without this hook
+   ``--linear-attn-backend flashqla`` would silently switch the server to ``no_buffer`` and
+   turn overlap scheduling off.
 
 :func:`check_sglang` runs first and refuses versions or layouts these hooks were not
 written for, with an error that says what differs.
@@ -38,6 +44,7 @@ GDN_MODULE = "sglang.srt.layers.attention.linear.gdn_backend"
 DISPATCHER_INIT = f"{GDN_MODULE}.GDNKernelDispatcher.__init__"
 BACKEND_INIT = f"{GDN_MODULE}.GDNAttnBackend.__init__"
 BACKEND_METADATA = f"{GDN_MODULE}.GDNAttnBackend.init_forward_metadata"
+EXTRA_BUFFER_CHECK = "sglang.srt.arg_groups.overrides.supports_mamba_cache_extra_buffer"
 
 _installed = False
 
@@ -221,6 +228,26 @@ def _metadata_after(result, self, forward_batch, *args, **kwargs):
     return None
 
 
+class _ViewAsTriton:
+    """A read-only view of SGLang's resolved args that reports ``linear_attn_backend='triton'``."""
+
+    def __init__(self, view):
+        object.__setattr__(self, "_view", view)
+
+    def __getattr__(self, name):
+        if name == "linear_attn_backend":
+            return "triton"
+        return getattr(object.__getattribute__(self, "_view"), name)
+
+
+def _extra_buffer_around(original, view, *args, **kwargs):
+    """``flashqla`` supports SGLang's extra_buffer mamba cache exactly where triton does."""
+    result = original(view, *args, **kwargs)
+    if result or getattr(view, "linear_attn_backend", None) != BACKEND_NAME:
+        return result
+    return original(_ViewAsTriton(view), *args, **kwargs)
+
+
 def install() -> None:
     """Check SGLang, add ``flashqla`` to the backend choices and register the hooks (once)."""
     global _installed
@@ -239,5 +266,16 @@ def install() -> None:
     HookRegistry.register(DISPATCHER_INIT, _dispatcher_init_around, HookType.AROUND)
     HookRegistry.register(BACKEND_INIT, _backend_init_after, HookType.AFTER)
     HookRegistry.register(BACKEND_METADATA, _metadata_after, HookType.AFTER)
+    try:
+        from sglang.srt.arg_groups import overrides
+
+        has_extra_buffer_check = callable(getattr(overrides, "supports_mamba_cache_extra_buffer", None))
+    except ImportError:
+        has_extra_buffer_check = False
+    if has_extra_buffer_check:
+        HookRegistry.register(EXTRA_BUFFER_CHECK, _extra_buffer_around, HookType.AROUND)
+    else:
+        logger.info("qla-serving: sglang %s has no %s; the mamba cache strategy is SGLang's default",
+                    version, EXTRA_BUFFER_CHECK)
     _installed = True
     logger.info("qla-serving: registered GDN backend '%s' with sglang %s", BACKEND_NAME, version)

@@ -137,3 +137,22 @@ def test_version_check_names_a_missing_seam(monkeypatch):
     monkeypatch.setattr(gdn_backend.GDNKernelDispatcher, "__init__", changed_init)
     with pytest.raises(patch.IncompatibleSGLang, match="GDNKernelDispatcher.__init__ takes"):
         patch.check_sglang()
+
+
+@pytest.mark.parametrize("backend_flag, allowed", [("triton", True), ("flashqla", True), ("cutedsl", False)])
+def test_flashqla_keeps_triton_mamba_cache_strategy(sglang_plugins, tiny_model_dir, backend_flag, allowed):
+    """SGLang allows the extra_buffer radix-cache strategy (and overlap scheduling) for triton
+    only; flashqla keeps the same state contract and must get the same answer."""
+    from sglang.srt.arg_groups import overrides
+    from sglang.srt.server_args import prepare_server_args
+    from transformers import AutoConfig
+
+    from qla_serving.integrations.sglang import patch
+
+    assert hasattr(overrides.supports_mamba_cache_extra_buffer, "__wrapped__")
+    hf_config = AutoConfig.from_pretrained(tiny_model_dir)
+    args = prepare_server_args(["--model-path", tiny_model_dir, "--linear-attn-backend", backend_flag])
+    # Other backends keep SGLang's own answer.
+    assert overrides.supports_mamba_cache_extra_buffer(args, hf_config) is allowed
+    view = patch._ViewAsTriton(args)
+    assert view.linear_attn_backend == "triton" and view.model_path == tiny_model_dir
