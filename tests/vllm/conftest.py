@@ -41,7 +41,14 @@ def _register_cpu_platform() -> None:
     sys.path.insert(0, root)
 
 
-if not torch.cuda.is_available():
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None  # not this directory as a namespace package
+
+
+if _vllm_installed() and not torch.cuda.is_available():
     _register_cpu_platform()
 
 _vllm_error: Exception | None = None
