@@ -480,4 +480,4 @@ def _draft_tokens(model_runner) -> int | None:
     return int(n) if n else None
 
 
-__all__ = ["FlashQLAGDNKernel", "BatchPlan", "bind_to_runner"]
+__all__ = ["BatchPlan", "FlashQLAGDNKernel", "bind_to_runner"]

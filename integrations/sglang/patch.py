@@ -210,11 +210,11 @@ def _backend_init_after(result, self, model_runner, *args, **kwargs):
     dispatcher = getattr(self, "kernel_dispatcher", None)
     kernel = our_kernel(dispatcher) if dispatcher is not None else None
     if kernel is None:
-        return None
+        return
     from .kernel import bind_to_runner
 
     bind_to_runner(kernel, dispatcher, self, model_runner)
-    return None
+    return
 
 
 def _metadata_after(result, self, forward_batch, *args, **kwargs):
@@ -225,7 +225,6 @@ def _metadata_after(result, self, forward_batch, *args, **kwargs):
 
     if isinstance(kernel, FlashQLAGDNKernel):
         kernel.begin_batch(self, forward_batch)
-    return None
 
 
 class _ViewAsTriton:

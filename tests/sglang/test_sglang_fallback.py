@@ -70,11 +70,10 @@ def test_unsupported_device_falls_back_to_triton_with_one_warning(dispatcher, ca
 
 
 def test_the_warning_is_given_once_per_reason(dispatcher, caplog):
-    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
-    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
-
     from qla_serving.integrations.sglang.kernel import bind_to_runner
     from qla_serving.integrations.sglang.patch import our_kernel
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
 
     # (published by the fixture: SGLang re-installs the root log handlers when it publishes)
     with caplog.at_level(logging.WARNING, logger="qla_serving"):

@@ -5,7 +5,11 @@ on the same inputs; decode under CUDA-graph capture; start-up binding keeps our 
 import pytest
 import torch
 
-from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_decode_ref, recurrent_gated_delta_rule_ref
+from qla_serving.ops.gated_delta_rule.naive import (
+    gdn_gate_ref,
+    recurrent_decode_ref,
+    recurrent_gated_delta_rule_ref,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -30,9 +34,8 @@ def gate_params():
 
 
 def kernels():
-    from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
-
     from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel
+    from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
 
     triton = TritonGDNKernel()
     return FlashQLAGDNKernel(fallback=triton, phases={"prefill", "decode", "verify"}), triton
@@ -137,11 +140,10 @@ def test_decode_is_cuda_graph_capturable_through_the_kernel_object():
 def test_binding_on_sm90_keeps_our_kernel_and_compiles(publish_args):
     import types
 
-    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
-    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
-
     from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel, bind_to_runner
     from qla_serving.integrations.sglang.patch import our_kernel
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
 
     publish_args("--linear-attn-backend", "flashqla")
     b = resolve_linear_attn_backends()

@@ -5,7 +5,11 @@ consume the prefix-cache states; pool rows the call does not own must stay bit-i
 import pytest
 import torch
 
-from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_decode_ref, recurrent_gated_delta_rule_ref
+from qla_serving.ops.gated_delta_rule.naive import (
+    gdn_gate_ref,
+    recurrent_decode_ref,
+    recurrent_gated_delta_rule_ref,
+)
 
 H, HV, K, V = 2, 4, 128, 128
 NUM_SLOTS = 9
@@ -32,9 +36,8 @@ def gate_params():
 
 
 def make_kernel():
-    from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
-
     from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel
+    from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
 
     return FlashQLAGDNKernel(fallback=TritonGDNKernel(), phases={"decode", "prefill", "verify"})
 

@@ -20,11 +20,10 @@ def test_entry_point_is_installed_and_loads():
 
 
 def test_sglang_loader_runs_the_plugin(sglang_plugins):
+    from qla_serving.integrations.sglang import patch
     from sglang.srt.layers.attention.linear import gdn_backend
     from sglang.srt.plugins import load_plugins_by_group
     from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from qla_serving.integrations.sglang import patch
 
     assert "qla_serving" in load_plugins_by_group("sglang.srt.plugins")
     # SGLang applied our hooks: the patched functions wrap the originals.
@@ -76,10 +75,9 @@ def _dispatcher_kernels():
     ],
 )
 def test_dispatcher_returns_our_kernel_for_the_phases_asked(publish_args, flags, ours):
+    from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel
     from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
     from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend
-
-    from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel
 
     publish_args(*flags)
     backends, d = _dispatcher_kernels()
@@ -114,7 +112,6 @@ def test_another_plugins_custom_backend_is_left_alone(publish_args):
 
 def test_version_check_refuses_untested_sglang(monkeypatch):
     import sglang
-
     from qla_serving.integrations.sglang import patch
 
     assert patch.check_sglang() == sglang.__version__
@@ -127,9 +124,8 @@ def test_version_check_refuses_untested_sglang(monkeypatch):
 
 
 def test_version_check_names_a_missing_seam(monkeypatch):
-    from sglang.srt.layers.attention.linear import gdn_backend
-
     from qla_serving.integrations.sglang import patch
+    from sglang.srt.layers.attention.linear import gdn_backend
 
     def changed_init(self, prefill_backend, decode_backend):  # arguments swapped: a layout we do not know
         raise AssertionError("never called")
@@ -143,11 +139,10 @@ def test_version_check_names_a_missing_seam(monkeypatch):
 def test_flashqla_keeps_triton_mamba_cache_strategy(sglang_plugins, tiny_model_dir, backend_flag, allowed):
     """SGLang allows the extra_buffer radix-cache strategy (and overlap scheduling) for triton
     only; flashqla keeps the same state contract and must get the same answer."""
+    from qla_serving.integrations.sglang import patch
     from sglang.srt.arg_groups import overrides
     from sglang.srt.server_args import prepare_server_args
     from transformers import AutoConfig
-
-    from qla_serving.integrations.sglang import patch
 
     assert hasattr(overrides.supports_mamba_cache_extra_buffer, "__wrapped__")
     hf_config = AutoConfig.from_pretrained(tiny_model_dir)
