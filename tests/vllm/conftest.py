@@ -53,6 +53,8 @@ if _vllm_installed() and not torch.cuda.is_available():
 
 _vllm_error: Exception | None = None
 try:
+    if not _vllm_installed():
+        raise ModuleNotFoundError("vllm is not installed in this environment")
     import vllm.platforms as _platforms
 
     _platforms.current_platform  # noqa: B018 - resolve it now, through the plugin above
@@ -67,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
     if _vllm_error is None:
         return
     here = os.path.dirname(__file__)
-    skip = pytest.mark.skip(reason=f"vllm is not importable ({_vllm_error.__class__.__name__}: {_vllm_error})")
+    skip = pytest.mark.skip(reason=f"vllm is not importable: {_vllm_error}")
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(skip)
