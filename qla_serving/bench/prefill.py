@@ -142,6 +142,16 @@ def main(argv=None) -> int:
     meta = common.machine_meta()
     meta["command"] = " ".join(["qla-serving", "bench", "prefill", *(argv if argv is not None else sys.argv[1:])])
     rows, notes = [], []
+    path = common.results_path("prefill", meta["gpu"], args.out_dir)
+
+    def write():
+        note_text = "\n".join([
+            "Rows `floor`: roofline floor of the cell (max of FLOPs / measured bf16 rate and minimal bytes / "
+            "measured copy bandwidth); `floor/qla` is the fraction of it reached.",
+            "qla and fla include the q/k l2 norm; flashinfer gets precomputed exp(g) and fp32 beta.",
+            *[f"- {n}" for n in notes]])
+        common.write_results(path, meta, rows, ["hqk", "hv", "batch"], [*args.impls, "floor"], notes=note_text)
+
     for hqk, hv in heads:
         for batch in batches:
             lens = batch_lens(batch)
@@ -170,13 +180,9 @@ def main(argv=None) -> int:
                 del fn
             del x
             torch.cuda.empty_cache()
+            write()  # after every cell: a run cut short still leaves its results
 
-    path = common.results_path("prefill", meta["gpu"], args.out_dir)
-    note_text = "\n".join(["Rows `floor`: roofline floor of the cell (max of FLOPs / measured bf16 rate and "
-                           "minimal bytes / measured copy bandwidth); `floor/qla` is the fraction of it reached.",
-                           "qla and fla include the l2 norm; flashinfer gets precomputed exp(g) and fp32 beta.",
-                           *[f"- {n}" for n in notes]])
-    common.write_results(path, meta, rows, ["hqk", "hv", "batch"], [*args.impls, "floor"], notes=note_text)
+    write()
     print(path.with_suffix(".md").read_text())
     return 0
 
