@@ -197,6 +197,8 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             track_state: (kwarg) ``[N, HV, V, K]`` float32 or None — receives, for rows with
                 ``track_chunk_idx[i] >= 0``, the state entering that chunk of sequence ``i``.
             track_chunk_idx: (kwarg) ``[N]`` int32, ``-1`` for rows SGLang does not track.
+            output: (kwarg) ``[1, T, HV, V]`` buffer SGLang would copy the result into; written
+                directly (and returned) when contiguous in q's dtype.
 
         Returns:
             ``(o [1, T, HV, V], None, h)``: ``h`` is ``[1, num_chunks, HV, V, K]`` (the state
@@ -235,11 +237,24 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             states = torch.empty(N + plan.num_checkpoints, HV, V, K, dtype=ssm_states.dtype,
                                  device=ssm_states.device)
             states[:N] = ssm_states[cache_indices[:N].long()]
+        output = kwargs.get("output")
+        # SGLang's preallocated layer output (``linear_attn_output``): writing into it saves
+        # SGLang a copy. Used when it is exactly the op's output layout.
+        out = None
+        if (
+            output is not None
+            and n_tok == total
+            and tuple(output.shape) == (1, total, HV, V)
+            and output.dtype == q.dtype
+            and output.device == q.device
+            and output.is_contiguous()
+        ):
+            out = output[0]
         o = chunk_gated_delta_rule_pool(
             flat(q, (H, K)), flat(k, (H, K)), flat(v, (HV, V)), flat(g, (HV,)), flat(beta, (HV,)),
             state_pool=ssm_states, state_indices=cache_indices[:N], plan=plan,
             scale=K**-0.5, use_qk_l2norm_in_kernel=True,
-            checkpoints=states[N:] if states is not None else None,
+            checkpoints=states[N:] if states is not None else None, out=out,
         )
         if n_tok < total:
             padded = o.new_zeros(total, HV, V)

@@ -123,6 +123,23 @@ def test_extend_matches_oracle_in_place(pool_dtype):
     assert torch.equal(pool[others], before[others])
 
 
+def test_extend_writes_into_sglangs_output_buffer():
+    lens, slots = [70, 5], [2, 4]
+    fb, md, backend = extend_batch(lens, slots)
+    inputs = extend_inputs(lens)
+    pool_a = make_pool(torch.float32)
+    pool_b = pool_a.clone()
+    buffer = torch.full((1, sum(lens), HV, V), float("nan"), dtype=torch.bfloat16)
+    kernel = make_kernel()
+    kernel.begin_batch(backend, fb)
+    o, _, _ = kernel.extend(*inputs, ssm_states=pool_a, cache_indices=md.mamba_cache_indices,
+                            query_start_loc=md.query_start_loc, output=buffer)
+    assert o.data_ptr() == buffer.data_ptr()  # SGLang then skips its copy
+    o_ref, _, _ = kernel.extend(*inputs, ssm_states=pool_b, cache_indices=md.mamba_cache_indices,
+                                query_start_loc=md.query_start_loc)
+    assert torch.equal(buffer, o_ref) and torch.equal(pool_a, pool_b)
+
+
 def test_plan_is_built_once_per_batch_and_shared_by_layers(monkeypatch):
     import qla_serving.integrations.sglang.kernel as kmod
 
