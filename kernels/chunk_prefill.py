@@ -5,34 +5,27 @@ compiled once per static configuration (head counts, dtypes, pool dtype, flags);
 token count, the number of sequences and their lengths are runtime values read from the
 plan's device tables, so a new batch composition compiles nothing and syncs nothing.
 
-* ``prep``  — grid (chunk, value head): gate cumsum inside the chunk, optional L2 norm of
-  k, ``A = strict_lower(beta k k^T exp(G_i - G_j))``, ``T = (I + A)^-1`` (16x16 diagonal
+* ``prep``  — grid (chunk, value head): gate cumsum inside the chunk, optional q/k L2 norm
+  of k, ``A = strict_lower(beta k k^T exp(G_i - G_j))``, ``T = (I + A)^-1`` (16x16 diagonal
   blocks by forward substitution in registers, merged with four tf32 products), then
   ``w = T (beta exp(G) k)`` and ``u = T (beta v)``. Fully parallel over chunks.
-* ``state`` — grid (V slice, value head, sequence): the serial chunk-to-chunk pass, warp
-  specialized by TileLang (a TMA producer warpgroup double-buffers the next chunk's w, k,
-  u and gates while the consumer warpgroup runs the two wgmma products and the gating).
-  Reads the initial state straight from the engine's pool, writes each chunk's entering
+* ``state`` — grid (V slice, value head, sequence): the serial chunk-to-chunk pass. TileLang
+  warp-specializes it: a TMA producer warpgroup double-buffers the next chunk's w, k and u
+  while the consumer warpgroup runs the two wgmma products and the gating. Reads the initial state straight from the engine's pool, writes each chunk's entering
   state ``h`` and ``v' = u - w h`` to workspaces, checkpoints at the plan's chunk
-  boundaries and the final state back into the pool in place. State rows (V) are
-  independent, so V is split across blocks: 64-row slices, or 32-row slices when the
-  batch has too few (sequence, head) pairs to fill the GPU.
-* ``output`` — ``o = scale ((q exp(G)) h + lower_incl(q k^T exp(G_i - G_j)) v')``. For GVA
-  (``HV > H``) one block per (chunk, q/k head) normalises q and forms ``q k^T`` once for
-  its ``HV / H`` value heads, with the next head's ``h``, ``v'`` and gates prefetched
-  (cp.async software pipeline); otherwise one block per (chunk, value head).
-
-Workspaces (per call, from the caching allocator): ``w, u, v'`` ``[T, HV, 128]``, ``h``
-``[num_chunks, HV, V, K]`` in the activation dtype, gates ``g_cum [HV, T padded to 4]``
-(head-major so a chunk's gates are one 256-byte TMA box), normalised k ``[T, H, K]``.
+  boundaries and the final state back into the pool in place. The state rows (V) are
+  independent, so V is split across blocks for parallelism.
+* ``output`` — grid (chunk, value head): ``o = scale ((q exp(G)) h + lower_incl(q k^T
+  exp(G_i - G_j)) v')``. Fully parallel over chunks.
 
 Sub-sequences (AutoCP): ``state`` only needs, per sequence, its token range, its first chunk
 row and a start state; cutting a sequence into pieces with their own start states is a
 matter of the tables it is given, the kernel is unchanged.
 
 The bf16/fp16 matrix products are ``T.gemm`` on 64-row tiles with one warpgroup of 128
-threads, lowered to wgmma (HGMMA in the SASS); the four 64x64 tf32 products of the
-triangular merge run on mma.sync (HMMA), as TileLang 0.1.15 lowers fp32 operands.
+threads, lowered to wgmma (HGMMA in the SASS: prep 16, state 12, output 20 per kernel); the
+four 64x64 tf32 products of the triangular merge run on mma.sync (HMMA), as TileLang 0.1.15
+lowers fp32 operands.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel signatures' annotations.
@@ -98,7 +91,6 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int):
     dt, bdt, f32 = cfg.dtype, cfg.beta_dtype, "float32"
     l2 = cfg.use_qk_l2norm
     NT = T.dynamic("num_tokens", "int64")
-    NTG = T.dynamic("g_cum_len", "int64")  # >= NT, a multiple of 4 (16-byte rows for TMA)
     NC = T.dynamic("num_chunks", "int64")
     NS1 = T.dynamic("num_seqs_plus_one")
     BLK = 16  # diagonal block size of the triangular solve
@@ -114,7 +106,7 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int):
         chunk_indices: T.Tensor((NC, 2), "int32"),
         w: T.Tensor((NT, HV, K), dt),
         u: T.Tensor((NT, HV, V), dt),
-        g_cum: T.Tensor((HV, NTG), f32),
+        g_cum: T.Tensor((NT, HV), f32),
         k_normed: T.Tensor((NT, H, K), dt),
     ):
         with T.Kernel(NC, HV, threads=threads) as (ic, hv):
@@ -169,7 +161,7 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int):
                         G_s[i] = G_s[i] + g_s[j]
             for i in T.Parallel(C):
                 if i < L:
-                    g_cum[hv, bos + i] = G_s[i]
+                    g_cum[bos + i, hv] = G_s[i]
 
             # ---- A = strict_lower(beta_i k_i.k_j exp(G_i - G_j))
             T.gemm(k_s, k_s, A_f, transpose_B=True, clear_accum=True)
@@ -237,7 +229,6 @@ def _build_state(cfg: PrefillStaticConfig, block_v: int, threads: int, num_stage
     dt, pdt, f32 = cfg.dtype, cfg.pool_dtype, "float32"
     BV = block_v
     NT = T.dynamic("num_tokens", "int64")
-    NTG = T.dynamic("g_cum_len", "int64")  # >= NT, a multiple of 4 (16-byte rows for TMA)
     NC = T.dynamic("num_chunks", "int64")
     NS = T.dynamic("num_seqs")
     NS1 = T.dynamic("num_seqs_plus_one")
@@ -250,7 +241,7 @@ def _build_state(cfg: PrefillStaticConfig, block_v: int, threads: int, num_stage
         w: T.Tensor((NT, HV, K), dt),
         u: T.Tensor((NT, HV, V), dt),
         k_normed: T.Tensor((NT, H, K), dt),
-        g_cum: T.Tensor((HV, NTG), f32),
+        g_cum: T.Tensor((NT, HV), f32),
         cu_seqlens: T.Tensor((NS1,), "int32"),
         chunk_offsets: T.Tensor((NS1,), "int32"),
         ckpt_offsets: T.Tensor((NS1,), "int32"),
@@ -296,7 +287,7 @@ def _build_state(cfg: PrefillStaticConfig, block_v: int, threads: int, num_stage
                 T.copy(w[cs : cs + C, hv, :], w_s)
                 T.copy(k_normed[cs : cs + C, hk, :], k_s)
                 T.copy(u[cs : cs + C, hv, iv * BV : (iv + 1) * BV], u_s)
-                T.copy(g_cum[hv, cs : cs + C], G_s)
+                T.copy(g_cum[cs : cs + C, hv], G_s)
                 T.copy(S_f, S_s)
                 # the state entering this chunk, for the output kernel
                 T.copy(S_s, h_chunks[first_chunk + c, hv, iv * BV : (iv + 1) * BV, :])
@@ -334,7 +325,6 @@ def _build_output(cfg: PrefillStaticConfig, threads: int):
     dt, f32 = cfg.dtype, "float32"
     l2 = cfg.use_qk_l2norm
     NT = T.dynamic("num_tokens", "int64")
-    NTG = T.dynamic("g_cum_len", "int64")  # >= NT, a multiple of 4 (16-byte rows for TMA)
     NC = T.dynamic("num_chunks", "int64")
     NS1 = T.dynamic("num_seqs_plus_one")
 
@@ -343,7 +333,7 @@ def _build_output(cfg: PrefillStaticConfig, threads: int):
         q: T.Tensor((NT, H, K), dt),
         k_normed: T.Tensor((NT, H, K), dt),
         v_new: T.Tensor((NT, HV, V), dt),
-        g_cum: T.Tensor((HV, NTG), f32),
+        g_cum: T.Tensor((NT, HV), f32),
         h_chunks: T.Tensor((NC, HV, V, K), dt),
         cu_seqlens: T.Tensor((NS1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
@@ -375,7 +365,7 @@ def _build_output(cfg: PrefillStaticConfig, threads: int):
             for i, d in T.Parallel(C, V):
                 vn_s[i, d] = T.if_then_else(i < L, v_new[bos + i, hv, d], T.cast(0, dt))
             for i in T.Parallel(C):
-                G_s[i] = T.if_then_else(i < L, g_cum[hv, bos + i], 0.0)
+                G_s[i] = T.if_then_else(i < L, g_cum[bos + i, hv], 0.0)
             T.copy(h_chunks[ic, hv, :, :], h_s)
             if l2:
                 for i, d in T.Parallel(C, K):
@@ -399,236 +389,9 @@ def _build_output(cfg: PrefillStaticConfig, threads: int):
     return output
 
 
-def _build_prep_gva(cfg: PrefillStaticConfig, threads: int, num_stages: int):
-    """``prep`` with one block per (chunk, q/k head): k is loaded, normalised and ``k k^T`` formed
-    once for the ``HV / H`` value heads that share it; their per-head inputs (v, g, beta) are
-    loaded asynchronously (TMA where possible) one head ahead of the compute."""
-    import tilelang.language as T
-
-    H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
-    ratio = HV // H
-    dt, bdt, f32 = cfg.dtype, cfg.beta_dtype, "float32"
-    l2 = cfg.use_qk_l2norm
-    NT = T.dynamic("num_tokens", "int64")
-    NTG = T.dynamic("g_cum_len", "int64")  # >= NT, a multiple of 4 (16-byte rows for TMA)
-    NC = T.dynamic("num_chunks", "int64")
-    NS1 = T.dynamic("num_seqs_plus_one")
-    BLK = 16
-    NB = C // BLK
-
-    @T.prim_func
-    def prep(
-        k: T.Tensor((NT, H, K), dt),
-        v: T.Tensor((NT, HV, V), dt),
-        g: T.Tensor((NT, HV), f32),
-        beta: T.Tensor((NT, HV), bdt),
-        cu_seqlens: T.Tensor((NS1,), "int32"),
-        chunk_indices: T.Tensor((NC, 2), "int32"),
-        w: T.Tensor((NT, HV, K), dt),
-        u: T.Tensor((NT, HV, V), dt),
-        g_cum: T.Tensor((HV, NTG), f32),
-        k_normed: T.Tensor((NT, H, K), dt),
-    ):
-        with T.Kernel(NC, H, threads=threads) as (ic, hk):
-            seq = chunk_indices[ic, 0]
-            bos = cu_seqlens[seq] + chunk_indices[ic, 1] * C
-            L = T.min(cu_seqlens[seq + 1] - bos, C)
-
-            kin_s = T.alloc_shared((C, K), dt)
-            k_f = T.alloc_fragment((C, K), f32)
-            sq = T.alloc_fragment((C,), f32)
-            k_s = T.alloc_shared((C, K), dt)
-            KK_f = T.alloc_fragment((C, C), f32)
-            v_s = T.alloc_shared((C, V), dt)
-            g_s = T.alloc_shared((C,), f32)
-            bin_s = T.alloc_shared((C,), bdt)
-            G_s = T.alloc_shared((C,), f32)
-            kb_s = T.alloc_shared((C, K), dt)
-            vb_s = T.alloc_shared((C, V), dt)
-            A_s = T.alloc_shared((C, C), f32)
-            Dinv_s = T.alloc_shared((C, C), f32)
-            Bt_s = T.alloc_shared((C, C), f32)
-            X_s = T.alloc_shared((C, C), f32)
-            P_f = T.alloc_fragment((C, C), f32)
-            Q_f = T.alloc_fragment((C, C), f32)
-            Tm_s = T.alloc_shared((C, C), dt)
-            col = T.alloc_local((BLK,), f32)
-            wu_f = T.alloc_fragment((C, K), f32)
-
-            # Rows past the chunk's end hold the next sequence's tokens (or TMA's zeros past the
-            # last token): lower-triangular algebra keeps them out of rows < L, which alone are stored.
-            T.copy(k[bos : bos + C, hk, :], kin_s)
-            T.copy(kin_s, k_f)
-            if l2:
-                for i, d in T.Parallel(C, K):
-                    wu_f[i, d] = k_f[i, d] * k_f[i, d]
-                T.reduce_sum(wu_f, sq, dim=1)
-                for i, d in T.Parallel(C, K):
-                    k_f[i, d] = k_f[i, d] * T.rsqrt(sq[i] + L2NORM_EPS)
-            T.copy(k_f, k_s)
-            if l2:
-                for i, d in T.Parallel(C, K):
-                    if i < L:
-                        k_normed[bos + i, hk, d] = k_s[i, d]
-            T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
-
-            for r in T.Pipelined(ratio, num_stages=num_stages):
-                hv = hk * ratio + r
-                T.copy(v[bos : bos + C, hv, :], v_s)
-                T.copy(g[bos : bos + C, hv], g_s)
-                T.copy(beta[bos : bos + C, hv], bin_s)
-                for i in T.Parallel(C):
-                    G_s[i] = 0.0
-                    for j in T.serial(C):
-                        if j <= i:
-                            G_s[i] = G_s[i] + g_s[j]
-                for i in T.Parallel(C):
-                    if i < L:
-                        g_cum[hv, bos + i] = G_s[i]
-                for i, j in T.Parallel(C, C):
-                    A_s[i, j] = T.if_then_else(
-                        i > j, KK_f[i, j] * T.cast(bin_s[i], f32) * T.exp(G_s[i] - G_s[j]), 0.0)
-                for i, j in T.Parallel(C, C):
-                    Dinv_s[i, j] = 0.0
-                tx = T.get_thread_binding()
-                if tx < C:
-                    for s in T.unroll(BLK):
-                        col[s] = T.if_then_else(tx % BLK == s, 1.0, 0.0)
-                        for t in T.unroll(s):
-                            col[s] = col[s] - A_s[(tx // BLK) * BLK + s, (tx // BLK) * BLK + t] * col[t]
-                    for s in T.unroll(BLK):
-                        Dinv_s[(tx // BLK) * BLK + s, tx] = col[s]
-                for i, j in T.Parallel(C, C):
-                    Bt_s[j, i] = T.if_then_else(i // BLK > j // BLK, A_s[i, j], 0.0)
-                T.gemm(Dinv_s, Bt_s, P_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    X_s[i, j] = P_f[i, j]
-                    Bt_s[j, i] = P_f[i, j]
-                T.gemm(X_s, Bt_s, Q_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    Bt_s[j, i] = Q_f[i, j]
-                for i, j in T.Parallel(C, C):
-                    Q_f[i, j] = T.if_then_else(i == j, 1.0, 0.0) - P_f[i, j]
-                for i, j in T.Parallel(C, C):
-                    X_s[i, j] = Q_f[i, j]
-                T.gemm(X_s, Bt_s, Q_f, transpose_B=True)
-                for i, j in T.Parallel(C, C):
-                    X_s[i, j] = Q_f[i, j]
-                    Bt_s[j, i] = Dinv_s[i, j]
-                T.gemm(X_s, Bt_s, P_f, transpose_B=True, clear_accum=True)
-                T.copy(P_f, Tm_s)
-                for i, d in T.Parallel(C, K):
-                    kb_s[i, d] = k_f[i, d] * T.cast(bin_s[i], f32) * T.exp(G_s[i])
-                for i, d in T.Parallel(C, V):
-                    vb_s[i, d] = T.cast(v_s[i, d], f32) * T.cast(bin_s[i], f32)
-                T.gemm(Tm_s, kb_s, wu_f, clear_accum=True)
-                for i, d in T.Parallel(C, K):
-                    if i < L:
-                        w[bos + i, hv, d] = wu_f[i, d]
-                T.gemm(Tm_s, vb_s, wu_f, clear_accum=True)
-                for i, d in T.Parallel(C, V):
-                    if i < L:
-                        u[bos + i, hv, d] = wu_f[i, d]
-
-    return prep
-
-
-def _build_output_gva(cfg: PrefillStaticConfig, threads: int, num_stages: int):
-    """``output`` with one block per (chunk, q/k head): q is loaded, normalised and ``q k^T``
-    formed once for the ``HV / H`` value heads that share them; each head's ``h``, ``v'`` and
-    gates are loaded asynchronously one head ahead of the compute."""
-    import tilelang.language as T
-
-    H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
-    ratio = HV // H
-    dt, f32 = cfg.dtype, "float32"
-    l2 = cfg.use_qk_l2norm
-    NT = T.dynamic("num_tokens", "int64")
-    NTG = T.dynamic("g_cum_len", "int64")  # >= NT, a multiple of 4 (16-byte rows for TMA)
-    NC = T.dynamic("num_chunks", "int64")
-    NS1 = T.dynamic("num_seqs_plus_one")
-
-    @T.prim_func
-    def output(
-        q: T.Tensor((NT, H, K), dt),
-        k_normed: T.Tensor((NT, H, K), dt),
-        v_new: T.Tensor((NT, HV, V), dt),
-        g_cum: T.Tensor((HV, NTG), f32),
-        h_chunks: T.Tensor((NC, HV, V, K), dt),
-        cu_seqlens: T.Tensor((NS1,), "int32"),
-        chunk_indices: T.Tensor((NC, 2), "int32"),
-        scale: T.float32,
-        o: T.Tensor((NT, HV, V), dt),
-    ):
-        with T.Kernel(NC, H, threads=threads) as (ic, hk):
-            seq = chunk_indices[ic, 0]
-            bos = cu_seqlens[seq] + chunk_indices[ic, 1] * C
-            L = T.min(cu_seqlens[seq + 1] - bos, C)
-
-            qin_s = T.alloc_shared((C, K), dt)
-            q_f = T.alloc_fragment((C, K), f32)
-            sq = T.alloc_fragment((C,), f32)
-            q_s = T.alloc_shared((C, K), dt)
-            k_s = T.alloc_shared((C, K), dt)
-            qk_f = T.alloc_fragment((C, C), f32)
-            h_s = T.alloc_shared((V, K), dt)
-            vn_s = T.alloc_shared((C, V), dt)
-            G_s = T.alloc_shared((C,), f32)
-            qg_s = T.alloc_shared((C, K), dt)
-            a_s = T.alloc_shared((C, C), dt)
-            o_f = T.alloc_fragment((C, V), f32)
-
-            # Rows past the chunk's end hold other tokens (finite): they only reach output rows
-            # >= L, which are not stored, or are masked by the causal select.
-            T.copy(q[bos : bos + C, hk, :], qin_s)
-            T.copy(k_normed[bos : bos + C, hk, :], k_s)
-            T.copy(qin_s, q_f)
-            if l2:
-                for i, d in T.Parallel(C, K):
-                    o_f[i, d] = q_f[i, d] * q_f[i, d]
-                T.reduce_sum(o_f, sq, dim=1)
-                for i, d in T.Parallel(C, K):
-                    q_f[i, d] = q_f[i, d] * T.rsqrt(sq[i] + L2NORM_EPS)
-            T.copy(q_f, q_s)
-            T.gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
-
-            for r in T.Pipelined(ratio, num_stages=num_stages):
-                hv = hk * ratio + r
-                T.copy(h_chunks[ic, hv, :, :], h_s)
-                T.copy(v_new[bos : bos + C, hv, :], vn_s)
-                T.copy(g_cum[hv, bos : bos + C], G_s)
-                for i, d in T.Parallel(C, K):
-                    qg_s[i, d] = q_f[i, d] * T.exp(G_s[i])
-                for i, j in T.Parallel(C, C):
-                    a_s[i, j] = T.if_then_else(i >= j, qk_f[i, j] * T.exp(G_s[i] - G_s[j]), 0.0)
-                T.gemm(qg_s, h_s, o_f, transpose_B=True, clear_accum=True)
-                T.gemm(a_s, vn_s, o_f)
-                for i, d in T.Parallel(C, V):
-                    if i < L:
-                        o[bos + i, hv, d] = o_f[i, d] * scale
-
-    return output
-
-
 # --------------------------------------------------------------------------------------
 # Compilation and cache
 # --------------------------------------------------------------------------------------
-
-
-def variant() -> str:
-    """Output kernel variant: ``"gva"`` (grouped by q/k head, default) or ``"base"`` (one block
-    per value head); ``QLA_PREFILL_VARIANT`` overrides ``PREFILL_CONFIGS["variant"]``."""
-    import os
-
-    return os.environ.get("QLA_PREFILL_VARIANT", PREFILL_CONFIGS.get("variant", "gva"))
-
-
-def _tune() -> dict:
-    """``PREFILL_CONFIGS``, with ``QLA_PREFILL_TUNE`` (a JSON object) on top for tuning runs."""
-    import json
-    import os
-
-    return {**PREFILL_CONFIGS, **json.loads(os.environ.get("QLA_PREFILL_TUNE", "{}"))}
 
 
 def _kernel_set(cfg: PrefillStaticConfig):
@@ -643,32 +406,14 @@ def _kernel_set(cfg: PrefillStaticConfig):
             return ks
         import tilelang
 
-        tune = _tune()
+        tune = PREFILL_CONFIGS
         target, pc = _target(), _pass_configs()
-        # Warp-specialized, pipelined kernels: TileLang's shared-memory reuse would let the
-        # producer's prefetch land in a buffer the consumer still reads before the loop.
-        pc_ws = {**pc, tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True}
-        # grouping by q/k head only pays when several value heads share one (GVA)
-        gva = variant() == "gva" and cfg.num_v_heads > cfg.num_qk_heads
         prep = tilelang.compile(_build_prep(cfg, tune.get("prep_threads", 128)), target=target, pass_configs=pc)
-        # two state kernels: V split in 64-row slices, or in 32-row slices for batches with
-        # too few (sequence, head) pairs to fill the GPU (chosen per call from the plan)
-        state = {
-            bv: tilelang.compile(
-                _build_state(cfg, bv, tune.get("state_threads", 128), tune.get("state_stages", 2)),
-                target=target, pass_configs=pc_ws)
-            for bv in (64, 32)
-        }
-        if gva:
-            # Software-pipelined without warp specialization: TileLang 0.1.15's automatic split
-            # gave the shared->register copy before the loop to the producer warpgroup (the
-            # consumer then read uninitialised q), so this kernel keeps all 128 threads on one role.
-            output = tilelang.compile(
-                _build_output_gva(cfg, tune.get("output_threads", 128), tune.get("output_stages", 2)),
-                target=target, pass_configs={**pc_ws, tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True})
-        else:
-            output = tilelang.compile(_build_output(cfg, tune.get("output_threads", 128)), target=target,
-                                      pass_configs=pc)
+        state = tilelang.compile(
+            _build_state(cfg, tune.get("state_block_v", 64), tune.get("state_threads", 128), tune.get("state_stages", 2)),
+            target=target, pass_configs=pc,
+        )
+        output = tilelang.compile(_build_output(cfg, tune.get("output_threads", 128)), target=target, pass_configs=pc)
         ks = (prep, state, output)
         _kernels[cfg] = ks
         _compile_count += 1
@@ -757,8 +502,7 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
     w = torch.empty(T_, HV, K, dtype=q.dtype, device=dev)
     u = torch.empty(T_, HV, V, dtype=q.dtype, device=dev)
     v_new = torch.empty(T_, HV, V, dtype=q.dtype, device=dev)
-    # head-major, rows padded to 16 bytes: a chunk's 64 gates are one contiguous TMA box
-    g_cum = torch.empty(HV, (T_ + 3) // 4 * 4, dtype=torch.float32, device=dev)
+    g_cum = torch.empty(T_, HV, dtype=torch.float32, device=dev)
     k_normed = torch.empty_like(k) if use_qk_l2norm else k
     h_chunks = torch.empty(max(NC, 1), HV, V, K, dtype=q.dtype, device=dev)
     every = plan.checkpoint_every or 0
@@ -770,10 +514,8 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
     else:
         ckpt, every_chunks = checkpoints, every // CHUNK
     cu = plan.cu_seqlens
-    # 32-row V slices double the state pass's parallelism when (sequence, head) pairs are few
-    block_v = 64 if N * HV * (V // 64) >= PREFILL_CONFIGS.get("state_min_blocks_bv64", 64) else 32
     prep(k, v, g, beta, cu, plan.chunk_indices, w, u, g_cum, k_normed)
-    state[block_v](w, u, k_normed, g_cum, cu, plan.chunk_offsets, plan.checkpoint_offsets, state_indices,
+    state(w, u, k_normed, g_cum, cu, plan.chunk_offsets, plan.checkpoint_offsets, state_indices,
           has_initial_state.view(torch.uint8), _flat_pool(state_pool), state_pool.stride(0), every_chunks,
           ckpt, h_chunks, v_new)
     output(q, k_normed, v_new, g_cum, h_chunks, cu, plan.chunk_indices, float(scale), out)

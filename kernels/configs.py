@@ -6,19 +6,15 @@ justifies it.
 
 # Chunked prefill (qla_serving.kernels.chunk_prefill).
 PREFILL_CONFIGS: dict = {
-    # output kernel: "gva" = one block per (chunk, q/k head) looping over its value heads with
-    # the next head's h / v' / gates prefetched (H100, 16/64 8x4096: 1.18 ms vs 2.4 ms for one
-    # block per value head); ratio-1 configs use the per-value-head kernel
-    "variant": "gva",
+    # one warpgroup (128 threads) per block: the 64-row tiles are one wgmma M each
     "prep_threads": 128,
     "output_threads": 128,
-    "output_stages": 2,
-    # state pass: 128 consumer threads + TileLang's TMA producer, chunks double-buffered;
-    # V split into 32-row slices below this many 64-row (sequence, head, slice) blocks
-    # (H100, 2/8 1x32768: 0.98 ms with 32 rows vs 1.53 ms with 64)
+    # state pass: V split into 64-row slices (2 blocks per (sequence, head)); TileLang adds
+    # a TMA producer warpgroup and double-buffers the next chunk's w, k, u (H100: tests pass,
+    # 1.8 ms of the 2.4 ms total at 2/8 1x32768, ~2.0 ms at 16/64 8x4096)
+    "state_block_v": 64,
     "state_threads": 128,
     "state_stages": 2,
-    "state_min_blocks_bv64": 64,
 }
 
 # Decode step (qla_serving.kernels.decode).

@@ -194,7 +194,7 @@ def test_stages_match_chunk_reference():
     r_idx = torch.tensor([r for _, r in slots])
     rows = torch.tensor(rows)
     errs = {
-        "g_cum": _rel(ws["g_cum"].T[rows], inter.g_cum[ci_idx, r_idx]),  # workspace is [HV, T]
+        "g_cum": _rel(ws["g_cum"][rows], inter.g_cum[ci_idx, r_idx]),
         "w": _rel(ws["w"][rows], inter.w[ci_idx, r_idx]),
         "u": _rel(ws["u"][rows], inter.u[ci_idx, r_idx]),
         "h": _rel(ws["h_chunks"], inter.h),
