@@ -11,7 +11,8 @@ plan's device tables, so a new batch composition compiles nothing and syncs noth
   ``w = T (beta exp(G) k)`` and ``u = T (beta v)``. Fully parallel over chunks.
 * ``state`` — grid (V slice, value head, sequence): the serial chunk-to-chunk pass. TileLang
   warp-specializes it: a TMA producer warpgroup double-buffers the next chunk's w, k and u
-  while the consumer warpgroup runs the two wgmma products and the gating. Reads the initial state straight from the engine's pool, writes each chunk's entering
+  while the consumer warpgroup runs the two wgmma products and the gating. Reads the
+  initial state straight from the engine's pool, writes each chunk's entering
   state ``h`` and ``v' = u - w h`` to workspaces, checkpoints at the plan's chunk
   boundaries and the final state back into the pool in place. The state rows (V) are
   independent, so V is split across blocks for parallelism.
