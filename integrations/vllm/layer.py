@@ -245,7 +245,12 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 cache_indices=md.non_spec_state_indices_tensor, query_start_loc=md.non_spec_query_start_loc,
                 metadata=md,
             ).transpose(0, 1)
-        from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_torch
+        try:  # vLLM's PyTorch conv: causal_conv1d_torch in 0.26, causal_conv1d_fn_cpu from 0.27
+            from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_torch
+        except ImportError:
+            from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import (
+                causal_conv1d_fn_cpu as causal_conv1d_torch,
+            )
 
         if md.spec_sequence_masks is not None:
             raise NotImplementedError("qla-serving's CPU path does not run speculative decoding")

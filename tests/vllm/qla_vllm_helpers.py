@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 # A Qwen3.5-shaped text config (GDN layers with K = V = 128 and GVA 2 -> 4 heads), small.
@@ -18,7 +19,8 @@ def engine_config(model_dir: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
     args = dict(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
-                max_model_len=4096, enforce_eager=True, language_model_only=True)
+                max_model_len=4096, enforce_eager=True, language_model_only=True,
+                enable_prefix_caching=False)  # mamba cache mode "none": one state slot per request
     args.update(kwargs)
     return EngineArgs(**args).create_engine_config()
 
@@ -41,13 +43,16 @@ def common_metadata(query_lens, context_lens, slots, device="cpu"):
     qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     qsl[1:] = q.cumsum(0)
     n_tok = int(qsl[-1])
-    return CommonAttentionMetadata(
+    fields = dict(
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device),
         num_reqs=len(query_lens), num_actual_tokens=n_tok, max_query_len=int(q.max()),
         max_seq_len=int(seq.max()), block_table_tensor=torch.tensor(slots, dtype=torch.int32).view(-1, 1).to(device),
         slot_mapping=torch.zeros(n_tok, dtype=torch.int64, device=device), _seq_lens_cpu=seq,
         seq_lens_cpu_upper_bound=seq,
     )
+    # The optional host copies vary between vLLM versions: pass those this one has.
+    known = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    return CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in known})
 
 
 def metadata_builder(layer, vllm_config, device="cpu"):

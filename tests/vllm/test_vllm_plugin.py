@@ -70,8 +70,12 @@ def test_seams_present_in_installed_vllm():
 def test_flags_parse_and_reach_engine_config(registered, qwen35_model_dir, flag):
     """Both flags parse through vLLM's serve parser and land in additional_config."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:  # `vllm serve`'s parser (moved in vLLM 0.32)
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
 
     parser = make_arg_parser(FlexibleArgumentParser())
     args = parser.parse_args([qwen35_model_dir, flag, "flashqla", "--skip-tokenizer-init",
