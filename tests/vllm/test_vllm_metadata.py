@@ -83,3 +83,29 @@ def test_without_flashqla_the_builder_is_vllms(registered, qwen35_model_dir, dis
     assert type(builder) is GDNAttentionMetadataBuilder
     md = builder.build(0, common_metadata([1, 40], [3, 0], [2, 5]))
     assert type(md) is GDNAttentionMetadata
+
+
+def test_prefix_caching_align_mode_writes_the_block_of_the_last_token(registered, qwen35_model_dir, distributed,
+                                                                      monkeypatch):
+    """With --enable-prefix-caching vLLM caches GDN layers in "align" mode: the state a step ends
+    with belongs to the block holding the step's last token. The plan's slots are exactly those
+    (what vLLM's own FlashInfer/Triton prefill writes)."""
+    from qla_vllm_helpers import engine_config
+
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    cfg = engine_config(qwen35_model_dir, gdn_prefill_backend="flashqla", enable_prefix_caching=True)
+    assert cfg.cache_config.mamba_cache_mode == "align"
+    layer = build_gdn_layer(cfg)
+    block = layer.get_kv_cache_spec(cfg).block_size
+    rng = random.Random(torch.initial_seed())
+    query = [1, 1] + [rng.randint(2, 3 * block) for _ in range(3)]
+    context = [rng.randint(1, 2 * block) for _ in range(2)] + [rng.choice([0, block, 2 * block]) for _ in range(3)]
+    columns = -(-4096 // block)
+    table = torch.randperm(len(query) * columns).view(len(query), columns).add(1).to(torch.int32)
+    m = common_metadata(query, context, table[:, 0].tolist())
+    m = m.replace(block_table_tensor=table)  # the full per-request block table of "align" mode
+    md = metadata_builder(layer, cfg).build(0, m)
+    seq = [q + c for q, c in zip(query, context)]
+    want = [int(table[i, (seq[i] - 1) // block]) for i in range(2, len(query))]
+    assert md.qla_prefill_state_indices.tolist() == want == md.prefill_state_indices.tolist()
+    assert md.qla_plan.seq_lens == query[2:]
