@@ -69,4 +69,4 @@ def register() -> None:
     logger.debug("qla-serving: vLLM plugin registered (vLLM %s)", version)
 
 
-__all__ = ["register", "BACKEND_NAME"]
+__all__ = ["BACKEND_NAME", "register"]

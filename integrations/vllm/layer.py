@@ -31,11 +31,11 @@ import os
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     ChunkGatedDeltaRule,
     QwenGatedDeltaNetAttention,
 )
-from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, is_conv_state_dim_first
 
 import qla_serving

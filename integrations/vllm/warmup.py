@@ -27,7 +27,7 @@ from qla_serving.plan import plan_prefill
 
 logger = logging.getLogger("vllm.qla_serving")
 
-_done: set["StaticConfig"] = set()
+_done: set[StaticConfig] = set()
 
 
 @dataclass(frozen=True)

@@ -100,9 +100,8 @@ def registered():
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    from vllm.model_executor.custom_op import op_registry_oot
-
     from qla_serving.integrations.vllm.layer import QlaGatedDeltaNetAttention
+    from vllm.model_executor.custom_op import op_registry_oot
 
     if op_registry_oot.get("QwenGatedDeltaNetAttention") is not QlaGatedDeltaNetAttention:
         # vLLM's loader found no entry point (package metadata without it): register directly

@@ -75,7 +75,7 @@ def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, 
     a, b = torch.randn(T, HV).to(dt), torch.randn(T, HV).to(dt)
     conv_before, ssm_before = conv_state.clone(), ssm_state.clone()
 
-    out, md = run_step(layer, flashqla_config, query, context, slots, mixed_qkv, a, b)
+    out, _ = run_step(layer, flashqla_config, query, context, slots, mixed_qkv, a, b)
 
     # --- oracle, sequence by sequence
     weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
@@ -117,8 +117,8 @@ def test_decode_continues_a_prefill(flashqla_config, distributed, monkeypatch):
     """Prefill 37 tokens, then decode 3 steps one token at a time: the same output and state as
     one 40-token sequence through the oracle (the state carried in vLLM's tensors in place)."""
     monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
-    layer, conv_dim_first = fresh_layer(flashqla_config)
-    conv_state, ssm_state = layer.kv_cache
+    layer, _ = fresh_layer(flashqla_config)
+    _, ssm_state = layer.kv_cache
     H, HV, K, V = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     dt = flashqla_config.model_config.dtype
     L, steps, slot = 37, 3, 5

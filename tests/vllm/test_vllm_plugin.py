@@ -7,10 +7,10 @@ import logging
 
 import pytest
 import torch
+from qla_vllm_helpers import QWEN35_TEXT, build_gdn_layer, engine_config
 
 from qla_serving.backend import KernelUnavailable
 
-from qla_vllm_helpers import QWEN35_TEXT, build_gdn_layer, engine_config
 
 class _Records(logging.Handler):
     def __init__(self):
@@ -49,9 +49,8 @@ def test_entry_point_is_installed_and_vllm_loads_it():
 
     assert loaded[eps[0].name] is register
     loaded[eps[0].name]()  # idempotent: vLLM calls it in every process, maybe more than once
-    from vllm.model_executor.custom_op import op_registry_oot
-
     from qla_serving.integrations.vllm.layer import QlaChunkGatedDeltaRule, QlaGatedDeltaNetAttention
+    from vllm.model_executor.custom_op import op_registry_oot
 
     assert op_registry_oot["QwenGatedDeltaNetAttention"] is QlaGatedDeltaNetAttention
     assert op_registry_oot["ChunkGatedDeltaRule"] is QlaChunkGatedDeltaRule
@@ -92,7 +91,6 @@ def test_flag_choices(registered):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    EngineArgs.add_cli_args  # wrapped once, however often vLLM builds parsers
     gdn = next(a for a in parser._actions if "--gdn-prefill-backend" in a.option_strings)
     alias = next(a for a in parser._actions if "--linear-attn-backend" in a.option_strings)
     assert "flashqla" in gdn.choices and {"flashinfer", "triton"} <= set(gdn.choices)

@@ -54,10 +54,9 @@ def test_failed_step_counts_or_raises_in_strict(monkeypatch):
 
 def test_profile_run_on_cpu_compiles_nothing(flashqla_config, distributed, monkeypatch):
     """vLLM's profiling pass (no metadata) reaches our hook; on the CPU it has nothing to build."""
+    from qla_serving.integrations.vllm import warmup
     from qla_vllm_helpers import build_gdn_layer
     from vllm.forward_context import set_forward_context
-
-    from qla_serving.integrations.vllm import warmup
 
     monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
     layer = build_gdn_layer(flashqla_config)
