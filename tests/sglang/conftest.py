@@ -91,3 +91,28 @@ def publish_args(sglang_plugins, tiny_model_dir):
         return args
 
     yield publish
+
+
+@pytest.fixture
+def build_dispatcher():
+    """SGLang's GDNKernelDispatcher built the way GDNAttnBackend builds it, for these server args.
+
+    Returns ``(backends, dispatcher)``; ``backends`` has ``decode``/``prefill``/``verify``
+    ``LinearAttnKernelBackend`` values from SGLang's own resolver.
+    """
+    import types
+
+    from sglang.srt.layers.attention.linear import utils
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+
+    def build(server_args):
+        if hasattr(utils, "resolve_linear_attn_backends"):  # SGLang >= 0.5.18: LinearAttnBackends
+            backends = utils.resolve_linear_attn_backends()
+            return backends, GDNKernelDispatcher(backends.decode, backends.prefill, backends.verify)
+        utils.initialize_linear_attn_config(server_args)  # SGLang 0.5.17: module-level choice
+        backends = types.SimpleNamespace(decode=utils.get_linear_attn_decode_backend(),
+                                         prefill=utils.get_linear_attn_prefill_backend(),
+                                         verify=utils.get_linear_attn_verify_backend())
+        return backends, GDNKernelDispatcher(backends.decode, backends.prefill)
+
+    return build

@@ -11,13 +11,13 @@ from qla_serving import backend as qla_backend
 
 
 @pytest.fixture
-def dispatcher(publish_args):
-    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
-    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
+def server_args(publish_args):
+    return publish_args("--linear-attn-backend", "flashqla")
 
-    publish_args("--linear-attn-backend", "flashqla")
-    backends = resolve_linear_attn_backends()
-    return GDNKernelDispatcher(backends.decode, backends.prefill, backends.verify)
+
+@pytest.fixture
+def dispatcher(server_args, build_dispatcher):
+    return build_dispatcher(server_args)[1]
 
 
 def runner(head_dim=128, dtype=torch.bfloat16, pool_dtype=torch.float32, device="cpu", draft_tokens=None):
@@ -69,17 +69,14 @@ def test_unsupported_device_falls_back_to_triton_with_one_warning(dispatcher, ca
     assert "triton" in warnings[0].getMessage()
 
 
-def test_the_warning_is_given_once_per_reason(dispatcher, caplog):
+def test_the_warning_is_given_once_per_reason(server_args, build_dispatcher, caplog):
     from qla_serving.integrations.sglang.kernel import bind_to_runner
     from qla_serving.integrations.sglang.patch import our_kernel
-    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
-    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
 
     # (published by the fixture: SGLang re-installs the root log handlers when it publishes)
     with caplog.at_level(logging.WARNING, logger="qla_serving"):
         for _ in range(3):  # target and draft runners, restarts in one process
-            b = resolve_linear_attn_backends()
-            d = GDNKernelDispatcher(b.decode, b.prefill, b.verify)
+            _, d = build_dispatcher(server_args)
             assert bind_to_runner(our_kernel(d), d, gdn_backend_with(d), runner()) is not None
             assert kernel_types(d) == {"TritonGDNKernel"}
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1

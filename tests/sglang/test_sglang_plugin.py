@@ -1,6 +1,7 @@
 """The plugin's wiring into the real SGLang: entry point, CLI flags, dispatcher, start-up checks."""
 
 import importlib.metadata
+import inspect
 
 import pytest
 
@@ -44,7 +45,8 @@ def test_sglang_loader_runs_the_plugin(sglang_plugins):
 def test_flags_accept_flashqla_and_reach_server_args(sglang_plugins, tiny_model_dir, flags, field):
     from sglang.srt.server_args import prepare_server_args
 
-    args = prepare_server_args(["--model-path", tiny_model_dir, "--skip-tokenizer-init", "--device", "cpu", *flags])
+    args = prepare_server_args(["--model-path", tiny_model_dir, "--skip-tokenizer-init", "--device", "cpu",
+                                "--disable-radix-cache", *flags])
     assert getattr(args, field) == "flashqla"
 
 
@@ -53,15 +55,6 @@ def test_unknown_backend_name_is_still_rejected(sglang_plugins, tiny_model_dir):
 
     with pytest.raises(SystemExit):
         prepare_server_args(["--model-path", tiny_model_dir, "--linear-attn-backend", "flashqla_typo"])
-
-
-def _dispatcher_kernels():
-    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
-    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
-
-    backends = resolve_linear_attn_backends()  # SGLang's own resolver: real LinearAttnBackends
-    d = GDNKernelDispatcher(backends.decode, backends.prefill, backends.verify)
-    return backends, d
 
 
 @pytest.mark.parametrize(
@@ -74,13 +67,12 @@ def _dispatcher_kernels():
         ([], set()),
     ],
 )
-def test_dispatcher_returns_our_kernel_for_the_phases_asked(publish_args, flags, ours):
+def test_dispatcher_returns_our_kernel_for_the_phases_asked(publish_args, build_dispatcher, flags, ours):
     from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel
     from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
     from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend
 
-    publish_args(*flags)
-    backends, d = _dispatcher_kernels()
+    backends, d = build_dispatcher(publish_args(*flags))
     if "extend" in ours:
         assert backends.prefill is LinearAttnKernelBackend.CUSTOM
     kernels = {"decode": d.decode_kernel, "extend": d.extend_kernel, "verify": d.verify_kernel}
@@ -98,16 +90,19 @@ def test_dispatcher_returns_our_kernel_for_the_phases_asked(publish_args, flags,
         assert ours_kernel.fallback is d.tree_verify_kernel
 
 
-def test_another_plugins_custom_backend_is_left_alone(publish_args):
+def test_another_plugins_custom_backend_is_left_alone(publish_args, build_dispatcher):
     """CUSTOM from a name that is not ours reaches SGLang's own error, untouched."""
-    from sglang.srt.arg_groups.choices import LINEAR_ATTN_KERNEL_BACKEND_CHOICES
     from sglang.srt.server_args import add_linear_attn_kernel_backend_choices
 
+    try:
+        from sglang.srt.arg_groups.choices import LINEAR_ATTN_KERNEL_BACKEND_CHOICES
+    except ImportError:  # SGLang < 0.5.20
+        from sglang.srt.server_args import LINEAR_ATTN_KERNEL_BACKEND_CHOICES
     if "someone_else" not in LINEAR_ATTN_KERNEL_BACKEND_CHOICES:
         add_linear_attn_kernel_backend_choices(["someone_else"])
-    publish_args("--linear-attn-backend", "someone_else")
+    args = publish_args("--linear-attn-backend", "someone_else")
     with pytest.raises(ValueError, match="Unsupported GDN decode backend"):
-        _dispatcher_kernels()
+        build_dispatcher(args)
 
 
 def test_version_check_refuses_untested_sglang(monkeypatch):
@@ -146,8 +141,12 @@ def test_flashqla_keeps_triton_mamba_cache_strategy(sglang_plugins, tiny_model_d
 
     assert hasattr(overrides.supports_mamba_cache_extra_buffer, "__wrapped__")
     hf_config = AutoConfig.from_pretrained(tiny_model_dir)
-    args = prepare_server_args(["--model-path", tiny_model_dir, "--linear-attn-backend", backend_flag])
+    args = prepare_server_args(["--model-path", tiny_model_dir, "--device", "cpu", "--disable-radix-cache",
+                                "--linear-attn-backend", backend_flag])
+    # SGLang <= 0.5.20 passes the architecture name, later versions the HF config.
+    second = list(inspect.signature(overrides.supports_mamba_cache_extra_buffer.__wrapped__).parameters)[1]
+    model = hf_config.architectures[0] if second == "model_arch" else hf_config
     # Other backends keep SGLang's own answer.
-    assert overrides.supports_mamba_cache_extra_buffer(args, hf_config) is allowed
+    assert overrides.supports_mamba_cache_extra_buffer(args, model) is allowed
     view = patch._ViewAsTriton(args)
     assert view.linear_attn_backend == "triton" and view.model_path == tiny_model_dir
