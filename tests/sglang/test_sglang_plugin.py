@@ -150,3 +150,20 @@ def test_flashqla_keeps_triton_mamba_cache_strategy(sglang_plugins, tiny_model_d
     assert overrides.supports_mamba_cache_extra_buffer(args, model) is allowed
     view = patch._ViewAsTriton(args)
     assert view.linear_attn_backend == "triton" and view.model_path == tiny_model_dir
+
+
+def test_register_is_idempotent(sglang_plugins):
+    """SGLang calls load_plugins() in several places of one process; hooks must not stack."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from qla_serving.integrations.sglang import patch, register
+
+    before = {t: len(HookRegistry._hooks[t]) for t in (patch.DISPATCHER_INIT, patch.BACKEND_INIT)}
+    register()
+    register()
+    assert {t: len(HookRegistry._hooks[t]) for t in before} == before
+    try:
+        from sglang.srt.arg_groups.choices import LINEAR_ATTN_KERNEL_BACKEND_CHOICES as choices
+    except ImportError:  # SGLang < 0.5.20
+        from sglang.srt.server_args import LINEAR_ATTN_KERNEL_BACKEND_CHOICES as choices
+    assert choices.count("flashqla") == 1
