@@ -211,9 +211,20 @@ def _backend_init_after(result, self, model_runner, *args, **kwargs):
     kernel = our_kernel(dispatcher) if dispatcher is not None else None
     if kernel is None:
         return
+    from qla_serving import backend as qla_backend
+
     from .kernel import bind_to_runner
 
-    bind_to_runner(kernel, dispatcher, self, model_runner)
+    try:
+        bind_to_runner(kernel, dispatcher, self, model_runner)
+    except qla_backend.KernelUnavailable:
+        raise
+    except Exception as e:  # an adapter/SGLang mismatch must not take the server down unless strict
+        if qla_backend.strict_mode():
+            raise
+        logger.warning("qla-serving: could not bind FlashQLAGDNKernel to this SGLang model runner "
+                       "(%s: %s); SGLang's triton GDN kernels run instead", type(e).__name__, e)
+        restore_triton(dispatcher, str(e))
     return
 
 

@@ -82,6 +82,22 @@ def test_the_warning_is_given_once_per_reason(server_args, build_dispatcher, cap
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 
 
+def test_a_runner_the_adapter_cannot_read_falls_back_unless_strict(server_args, build_dispatcher, monkeypatch,
+                                                                  caplog):
+    from qla_serving.integrations.sglang import patch
+
+    odd_runner = types.SimpleNamespace(device="cuda")  # no req_to_token_pool: an SGLang we do not know
+    _, d = build_dispatcher(server_args)
+    with caplog.at_level(logging.WARNING, logger="qla_serving"):
+        patch._backend_init_after(None, gdn_backend_with(d), odd_runner)
+    assert kernel_types(d) == {"TritonGDNKernel"}
+    assert any("could not bind" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("QLA_STRICT", "1")
+    _, d = build_dispatcher(server_args)
+    with pytest.raises(AttributeError):
+        patch._backend_init_after(None, gdn_backend_with(d), odd_runner)
+
+
 def test_strict_mode_raises_instead(dispatcher, monkeypatch):
     from qla_serving.integrations.sglang import patch
 

@@ -154,9 +154,8 @@ def test_flashqla_keeps_triton_mamba_cache_strategy(sglang_plugins, tiny_model_d
 
 def test_register_is_idempotent(sglang_plugins):
     """SGLang calls load_plugins() in several places of one process; hooks must not stack."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
     from qla_serving.integrations.sglang import patch, register
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     before = {t: len(HookRegistry._hooks[t]) for t in (patch.DISPATCHER_INIT, patch.BACKEND_INIT)}
     register()
