@@ -54,13 +54,18 @@ class BatchPlan:
         query_start_loc: the exact tensor SGLang passes to every layer's ``extend`` for this
             batch; identity (``is``) ties a layer call to its plan. Holding it keeps it alive,
             so its id cannot be reused by a later batch's tensor.
-        plan: the batch's prefill plan (CPU lengths from SGLang, index tables on the device).
+        plan: the batch's prefill plan (CPU lengths from SGLang, index tables on the device);
+            None until the first layer builds it when SGLang gave no CPU lengths.
         track: some sequence's state at a chunk boundary goes to the prefix cache.
     """
 
     query_start_loc: torch.Tensor
-    plan: PrefillPlan
+    plan: PrefillPlan | None
     track: bool
+
+
+#: Batches remembered per kernel object: two, so interleaved two-batch-overlap halves both hit.
+_RECENT_BATCHES = 2
 
 
 def _as_list(x) -> list[int] | None:
@@ -94,27 +99,23 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         self.fallback = fallback
         self.phases = frozenset(phases)
         self.track_chunk_size = 64
-        self._batch: BatchPlan | None = None
-        # Plans built without CPU lengths (one host sync per batch), keyed by tensor identity.
-        self._lazy: tuple[torch.Tensor, PrefillPlan] | None = None
+        # The latest extend batches, newest first, found by query_start_loc identity.
+        self._batches: list[BatchPlan] = []
 
     # ------------------------------------------------------------------ per batch
     def begin_batch(self, attn_backend, forward_batch) -> None:
         """Build this forward batch's prefill plan from SGLang's CPU-side lengths.
 
         Called once per batch (after ``GDNAttnBackend.init_forward_metadata``), before any
-        layer runs; every GDN layer's ``extend`` then reuses the plan. Batches that are not a
-        plain extend, or whose CPU lengths are missing or do not describe
-        ``query_start_loc`` (two-batch overlap splits), get no plan here; their first layer
-        builds one from ``query_start_loc`` instead.
+        layer runs; every GDN layer's ``extend`` then reuses the plan. Batches whose CPU
+        lengths are missing or do not describe ``query_start_loc`` (two-batch overlap splits)
+        are remembered without a plan; their first layer builds it from ``query_start_loc``.
 
         Args:
             attn_backend: SGLang's ``GDNAttnBackend``; its ``forward_metadata`` was just set.
             forward_batch: SGLang's ``ForwardBatch``: ``forward_mode``, ``batch_size``,
                 ``extend_seq_lens_cpu`` (list or CPU tensor of ``batch_size`` ints).
         """
-        self._batch = None
-        self._lazy = None
         metadata = getattr(attn_backend, "forward_metadata", None)
         mode = forward_batch.forward_mode
         if metadata is None or not mode.is_extend() or mode.is_target_verify():
@@ -122,24 +123,32 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         if getattr(attn_backend, "mis_metadata", None) is not None:
             return  # multi-item scoring runs its own segments (SGLang requires triton there)
         query_start_loc = getattr(metadata, "query_start_loc", None)
-        lens = _as_list(getattr(forward_batch, "extend_seq_lens_cpu", None))
-        if (
-            query_start_loc is None
-            or lens is None
-            or len(lens) != forward_batch.batch_size
-            or len(lens) + 1 != query_start_loc.shape[0]
-            or getattr(forward_batch, "tbo_parent_token_range", None) is not None
-        ):
+        if query_start_loc is None:
             return
         track = self._tracks_chunk_state(metadata)
         if track:
             self.track_chunk_size = int(getattr(attn_backend, "mamba_chunk_size", 64) or 64)
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
-        if lens:
-            cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
-        every = self.track_chunk_size if track and self.track_chunk_size % 64 == 0 else None
-        plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=every)
-        self._batch = BatchPlan(query_start_loc=query_start_loc, plan=plan, track=track)
+        lens = _as_list(getattr(forward_batch, "extend_seq_lens_cpu", None))
+        plan = None
+        if (
+            lens is not None
+            and len(lens) == forward_batch.batch_size
+            and len(lens) + 1 == query_start_loc.shape[0]
+            and getattr(forward_batch, "tbo_parent_token_range", None) is None
+        ):
+            cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
+            if lens:
+                cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+            every = self.track_chunk_size if track and self.track_chunk_size % 64 == 0 else None
+            plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=every)
+        self._remember(BatchPlan(query_start_loc=query_start_loc, plan=plan, track=track))
+
+    def _remember(self, batch: BatchPlan) -> BatchPlan:
+        self._batches = [batch, *self._batches][:_RECENT_BATCHES]
+        return batch
+
+    def _batch_for(self, query_start_loc: torch.Tensor) -> BatchPlan | None:
+        return next((b for b in self._batches if b.query_start_loc is query_start_loc), None)
 
     @staticmethod
     def _tracks_chunk_state(metadata) -> bool:
@@ -150,21 +159,20 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         return h_src is not None and h_src.numel() > 0
 
     def _plan_for(self, query_start_loc: torch.Tensor, checkpoint_every: int | None) -> PrefillPlan:
-        batch = self._batch
-        if batch is not None and batch.query_start_loc is query_start_loc:
+        """The batch's plan (with checkpoints every ``checkpoint_every`` tokens if asked)."""
+        batch = self._batch_for(query_start_loc)
+        if batch is None:  # a batch begin_batch did not see (an extend outside SGLang's GDN backend)
+            batch = self._remember(BatchPlan(query_start_loc=query_start_loc, plan=None, track=False))
+        if batch.plan is not None:
             if checkpoint_every is None or batch.plan.checkpoint_every == checkpoint_every:
                 return batch.plan
             cu = batch.plan.cu_seqlens_cpu
         else:
-            lazy = self._lazy
-            if lazy is not None and lazy[0] is query_start_loc and lazy[1].checkpoint_every == checkpoint_every:
-                return lazy[1]
             _log_once(logging.INFO, "qla-serving: building a prefill plan from query_start_loc "
                       "(no CPU lengths for this batch; one host sync per batch)")
             cu = query_start_loc.cpu()
-        plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=checkpoint_every)
-        self._lazy = (query_start_loc, plan)
-        return plan
+        batch.plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=checkpoint_every)
+        return batch.plan
 
     # ------------------------------------------------------------------ extend
     def extend(
@@ -213,7 +221,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         total = q.numel() // (H * K)
         track_state = kwargs.get("track_state")
         track_chunk_idx = kwargs.get("track_chunk_idx")
-        batch = self._batch if self._batch is not None and self._batch.query_start_loc is query_start_loc else None
+        batch = self._batch_for(query_start_loc)
         want_h = track_state is None and batch is not None and batch.track
         want_states = track_state is not None or want_h
         every = self.track_chunk_size if want_states else None

@@ -206,11 +206,15 @@ def test_extend_fills_sglang_track_snapshot_for_prefix_cache():
         assert rel_err(pool[dst], chunk_states[row][chunk_idx[row]]) < STATE_TOL[torch.float32]
 
 
-def test_extend_returns_chunk_states_h_for_older_sglang():
-    """SGLang < 0.5.22 reads h[track_ssm_h_src] (global chunk index) when a batch tracks a chunk state."""
+@pytest.mark.parametrize("cpu_lengths", [True, False])
+def test_extend_returns_chunk_states_h_for_older_sglang(cpu_lengths):
+    """SGLang < 0.5.22 reads h[track_ssm_h_src] (global chunk index) when a batch tracks a chunk
+    state; also when SGLang gave no CPU lengths (the plan is then built from query_start_loc)."""
     lens, slots = [70, 1, 130, 64], [5, 0, 8, 3]
     kernel = make_kernel()
     fb, md, backend, inputs, pool, before, chunk_states = _track_setup(lens, slots)
+    if not cpu_lengths:
+        fb.extend_seq_lens_cpu = None
     kernel.begin_batch(backend, fb)
     _, _, h = kernel.extend(*inputs, ssm_states=pool, cache_indices=md.mamba_cache_indices,
                             query_start_loc=md.query_start_loc)
