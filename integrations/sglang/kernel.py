@@ -168,8 +168,11 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
                 return batch.plan
             cu = batch.plan.cu_seqlens_cpu
         else:
-            _log_once(logging.INFO, "qla-serving: building a prefill plan from query_start_loc "
-                      "(no CPU lengths for this batch; one host sync per batch)")
+            _log_once(
+                logging.INFO,
+                "qla-serving: building a prefill plan from query_start_loc "
+                "(no CPU lengths for this batch; one host sync per batch)",
+            )
             cu = query_start_loc.cpu()
         batch.plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=checkpoint_every)
         return batch.plan
@@ -214,8 +217,18 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             tracks a chunk state in this batch, else None.
         """
         if not inplace_update:
-            return self.fallback.extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
-                                        query_start_loc=query_start_loc, inplace_update=inplace_update, **kwargs)
+            return self.fallback.extend(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                ssm_states=ssm_states,
+                cache_indices=cache_indices,
+                query_start_loc=query_start_loc,
+                inplace_update=inplace_update,
+                **kwargs,
+            )
         H, K = q.shape[-2], q.shape[-1]
         HV, V = v.shape[-2], v.shape[-1]
         total = q.numel() // (H * K)
@@ -226,10 +239,23 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         want_states = track_state is not None or want_h
         every = self.track_chunk_size if want_states else None
         if every is not None and every % 64:
-            _log_once(logging.WARNING, "qla-serving: mamba_chunk_size=%d is not a multiple of 64; batches "
-                      "that track prefix-cache states run on SGLang's triton kernel", every)
-            return self.fallback.extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
-                                        query_start_loc=query_start_loc, **kwargs)
+            _log_once(
+                logging.WARNING,
+                "qla-serving: mamba_chunk_size=%d is not a multiple of 64; batches "
+                "that track prefix-cache states run on SGLang's triton kernel",
+                every,
+            )
+            return self.fallback.extend(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                ssm_states=ssm_states,
+                cache_indices=cache_indices,
+                query_start_loc=query_start_loc,
+                **kwargs,
+            )
         plan = self._plan_for(query_start_loc, every)
         n_tok, N = plan.total_tokens, plan.num_seqs
         if n_tok > total:
@@ -242,8 +268,9 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         if want_states:
             # Row i: the state before sequence i (the pool is overwritten in place); then
             # the checkpoints after every `every` tokens, sequence by sequence.
-            states = torch.empty(N + plan.num_checkpoints, HV, V, K, dtype=ssm_states.dtype,
-                                 device=ssm_states.device)
+            states = torch.empty(
+                N + plan.num_checkpoints, HV, V, K, dtype=ssm_states.dtype, device=ssm_states.device
+            )
             states[:N] = ssm_states[cache_indices[:N].long()]
         output = kwargs.get("output")
         # SGLang's preallocated layer output (``linear_attn_output``): writing into it saves
@@ -259,10 +286,18 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         ):
             out = output[0]
         o = chunk_gated_delta_rule_pool(
-            flat(q, (H, K)), flat(k, (H, K)), flat(v, (HV, V)), flat(g, (HV,)), flat(beta, (HV,)),
-            state_pool=ssm_states, state_indices=cache_indices[:N], plan=plan,
-            scale=K**-0.5, use_qk_l2norm_in_kernel=True,
-            checkpoints=states[N:] if states is not None else None, out=out,
+            flat(q, (H, K)),
+            flat(k, (H, K)),
+            flat(v, (HV, V)),
+            flat(g, (HV,)),
+            flat(beta, (HV,)),
+            state_pool=ssm_states,
+            state_indices=cache_indices[:N],
+            plan=plan,
+            scale=K**-0.5,
+            use_qk_l2norm_in_kernel=True,
+            checkpoints=states[N:] if states is not None else None,
+            out=out,
         )
         if n_tok < total:
             padded = o.new_zeros(total, HV, V)
@@ -323,7 +358,8 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
 
         Args:
             q, k: ``[1, B, H, K]``; v: ``[1, B, HV, V]`` — the activation dtype, any strides.
-            a, b: ``[B, HV]`` — gate inputs (``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``).
+            a, b: ``[B, HV]`` — gate inputs: ``g = -exp(A_log) softplus(a + dt_bias)``,
+                ``beta = sigmoid(b)``.
             A_log, dt_bias: ``[HV]``.
             ssm_states: ``[num_slots, HV, V, K]`` — this layer's pool.
             cache_indices: ``[B]`` int32 — slot per sequence (CUDA-graph padding rows point at
@@ -337,10 +373,17 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         HV, V = v.shape[-2], v.shape[-1]
         B = cache_indices.shape[0]
         o = gated_delta_rule_decode(
-            q.reshape(B, H, K).contiguous(), k.reshape(B, H, K).contiguous(), v.reshape(B, HV, V).contiguous(),
-            a.reshape(B, HV).contiguous(), b.reshape(B, HV).contiguous(), A_log, dt_bias,
-            state_pool=ssm_states, state_indices=cache_indices,
-            scale=K**-0.5, use_qk_l2norm_in_kernel=True,
+            q.reshape(B, H, K).contiguous(),
+            k.reshape(B, H, K).contiguous(),
+            v.reshape(B, HV, V).contiguous(),
+            a.reshape(B, HV).contiguous(),
+            b.reshape(B, HV).contiguous(),
+            A_log,
+            dt_bias,
+            state_pool=ssm_states,
+            state_indices=cache_indices,
+            scale=K**-0.5,
+            use_qk_l2norm_in_kernel=True,
         )
         return o.view(1, B, HV, V)
 
@@ -402,28 +445,55 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         elif not 1 <= T <= MAX_DECODE_TOKENS:
             reason = f"{T} draft tokens (the decode op takes 1 to {MAX_DECODE_TOKENS})"
         if reason is not None:
-            _log_once(logging.INFO, "qla-serving: target_verify with %s runs on SGLang's triton kernel", reason)
+            _log_once(
+                logging.INFO, "qla-serving: target_verify with %s runs on SGLang's triton kernel", reason
+            )
             return self.fallback.target_verify(
-                A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, ssm_states=ssm_states,
-                cache_indices=cache_indices, query_start_loc=query_start_loc,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                q=q,
+                k=k,
+                v=v,
+                a=a,
+                b=b,
+                ssm_states=ssm_states,
+                cache_indices=cache_indices,
+                query_start_loc=query_start_loc,
                 intermediate_states_buffer=intermediate_states_buffer,
-                intermediate_state_indices=intermediate_state_indices, cache_steps=cache_steps,
-                retrieve_parent_token=retrieve_parent_token, **kwargs,
+                intermediate_state_indices=intermediate_state_indices,
+                cache_steps=cache_steps,
+                retrieve_parent_token=retrieve_parent_token,
+                **kwargs,
             )
         if kwargs.get("stable_rows"):
             # Rows are request-pool rows: run into scratch, then scatter (an extra copy).
-            inter = torch.empty(N, T, HV, V, K, dtype=intermediate_states_buffer.dtype,
-                                device=intermediate_states_buffer.device)
+            inter = torch.empty(
+                N,
+                T,
+                HV,
+                V,
+                K,
+                dtype=intermediate_states_buffer.dtype,
+                device=intermediate_states_buffer.device,
+            )
         else:
             # SGLang's table is arange(N) positionally (build_verify_intermediate_state_indices),
             # so the rows are the buffer's first N: write them directly, no scatter.
             inter = intermediate_states_buffer[:N]
         o = gated_delta_rule_decode(
-            q.reshape(N, T, H, K).contiguous(), k.reshape(N, T, H, K).contiguous(),
-            v.reshape(N, T, HV, V).contiguous(), a.reshape(N, T, HV).contiguous(), b.reshape(N, T, HV).contiguous(),
-            A_log, dt_bias, state_pool=ssm_states, state_indices=cache_indices[:N],
-            scale=K**-0.5, use_qk_l2norm_in_kernel=True,
-            intermediate_states=inter, inplace_final_state=False,
+            q.reshape(N, T, H, K).contiguous(),
+            k.reshape(N, T, H, K).contiguous(),
+            v.reshape(N, T, HV, V).contiguous(),
+            a.reshape(N, T, HV).contiguous(),
+            b.reshape(N, T, HV).contiguous(),
+            A_log,
+            dt_bias,
+            state_pool=ssm_states,
+            state_indices=cache_indices[:N],
+            scale=K**-0.5,
+            use_qk_l2norm_in_kernel=True,
+            intermediate_states=inter,
+            inplace_final_state=False,
         )
         if kwargs.get("stable_rows"):
             intermediate_states_buffer.index_copy_(0, intermediate_state_indices[:N].long(), inter)
@@ -439,7 +509,9 @@ def _find_linear_layer(model):
     if model is None:
         return None
     for module in model.modules():
-        if all(hasattr(module, name) for name in ("num_k_heads", "num_v_heads", "head_k_dim", "A_log", "dt_bias")):
+        if all(
+            hasattr(module, name) for name in ("num_k_heads", "num_v_heads", "head_k_dim", "A_log", "dt_bias")
+        ):
             return module
     return None
 
@@ -471,8 +543,10 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
         return None
     reason = qla_backend.unsupported_reason(device, K, V, dtype)
     if reason is not None:
-        message = (f"qla-serving: --linear-attn-backend flashqla cannot run here ({reason}); "
-                   "SGLang's triton GDN kernels run instead")
+        message = (
+            f"qla-serving: --linear-attn-backend flashqla cannot run here ({reason}); "
+            "SGLang's triton GDN kernels run instead"
+        )
         if qla_backend.strict_mode():
             raise qla_backend.KernelUnavailable(f"{message}. QLA_STRICT=1 forbids the fallback")
         if reason not in _fallback_warned:

@@ -178,7 +178,9 @@ def _dispatcher_init_around(original, self, *args, **kwargs):
     self.supports_packed_decode = getattr(self.decode_kernel, "supports_packed_decode", False)
     logger.info(
         "qla-serving: GDN kernel dispatcher uses FlashQLAGDNKernel for %s (decode=%s, extend=%s, verify=%s)",
-        ", ".join(sorted(phases)), type(self.decode_kernel).__name__, type(self.extend_kernel).__name__,
+        ", ".join(sorted(phases)),
+        type(self.decode_kernel).__name__,
+        type(self.extend_kernel).__name__,
         type(self.verify_kernel).__name__,
     )
 
@@ -222,8 +224,12 @@ def _backend_init_after(result, self, model_runner, *args, **kwargs):
     except Exception as e:  # an adapter/SGLang mismatch must not take the server down unless strict
         if qla_backend.strict_mode():
             raise
-        logger.warning("qla-serving: could not bind FlashQLAGDNKernel to this SGLang model runner "
-                       "(%s: %s); SGLang's triton GDN kernels run instead", type(e).__name__, e)
+        logger.warning(
+            "qla-serving: could not bind FlashQLAGDNKernel to this SGLang model runner "
+            "(%s: %s); SGLang's triton GDN kernels run instead",
+            type(e).__name__,
+            e,
+        )
         restore_triton(dispatcher, str(e))
     return
 
@@ -285,7 +291,10 @@ def install() -> None:
     if has_extra_buffer_check:
         HookRegistry.register(EXTRA_BUFFER_CHECK, _extra_buffer_around, HookType.AROUND)
     else:
-        logger.info("qla-serving: sglang %s has no %s; the mamba cache strategy is SGLang's default",
-                    version, EXTRA_BUFFER_CHECK)
+        logger.info(
+            "qla-serving: sglang %s has no %s; the mamba cache strategy is SGLang's default",
+            version,
+            EXTRA_BUFFER_CHECK,
+        )
     _installed = True
     logger.info("qla-serving: registered GDN backend '%s' with sglang %s", BACKEND_NAME, version)

@@ -48,16 +48,41 @@ def warmup_specs(
         return []
     specs = []
     if "prefill" in phases:
-        specs.append(("prefill", "qla_serving.kernels.chunk_prefill", "warmup",
-                      dict(num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, dtype=dtype,
-                           beta_dtype=torch.float32, pool_dtype=pool_dtype, use_qk_l2norm=True)))
-    common = dict(H=num_qk_heads, HV=num_v_heads, dtype=dtype, pool_dtype=pool_dtype, gate_dtype=gate_dtype,
-                  index_dtype=index_dtype, use_qk_l2norm=True)
+        specs.append(
+            (
+                "prefill",
+                "qla_serving.kernels.chunk_prefill",
+                "warmup",
+                dict(
+                    num_qk_heads=num_qk_heads,
+                    num_v_heads=num_v_heads,
+                    dtype=dtype,
+                    beta_dtype=torch.float32,
+                    pool_dtype=pool_dtype,
+                    use_qk_l2norm=True,
+                ),
+            )
+        )
+    common = dict(
+        H=num_qk_heads,
+        HV=num_v_heads,
+        dtype=dtype,
+        pool_dtype=pool_dtype,
+        gate_dtype=gate_dtype,
+        index_dtype=index_dtype,
+        use_qk_l2norm=True,
+    )
     if "decode" in phases:
         specs.append(("decode", "qla_serving.kernels.decode", "warmup", dict(common, T=1)))
     if "verify" in phases and draft_tokens and draft_tokens > 1:
-        specs.append((f"verify T={draft_tokens}", "qla_serving.kernels.decode", "warmup",
-                      dict(common, T=draft_tokens, intermediate_states=True, inplace_final_state=False)))
+        specs.append(
+            (
+                f"verify T={draft_tokens}",
+                "qla_serving.kernels.decode",
+                "warmup",
+                dict(common, T=draft_tokens, intermediate_states=True, inplace_final_state=False),
+            )
+        )
     return specs
 
 
@@ -80,7 +105,9 @@ def warmup_kernels(**config) -> int:
     specs = warmup_specs(**config)
     if not specs:
         if config.get("num_qk_heads") is None:
-            logger.warning("qla-serving: no GDN layer found to read head counts from; kernels compile on first use")
+            logger.warning(
+                "qla-serving: no GDN layer found to read head counts from; kernels compile on first use"
+            )
         return 0
     try:
         from tqdm import tqdm
@@ -92,21 +119,31 @@ def warmup_kernels(**config) -> int:
     for label, module, function, kwargs in specs:
         fn, problem = _resolve(module, function)
         if fn is None:
-            logger.warning("qla-serving: no start-up compile for %s: %s; it compiles on first use", label, problem)
+            logger.warning(
+                "qla-serving: no start-up compile for %s: %s; it compiles on first use", label, problem
+            )
         else:
             try:
                 fn(**kwargs)
                 done += 1
             except Exception as e:
-                logger.warning("qla-serving: start-up compile of %s failed (%s: %s); it compiles on first use",
-                               label, type(e).__name__, e)
+                logger.warning(
+                    "qla-serving: start-up compile of %s failed (%s: %s); it compiles on first use",
+                    label,
+                    type(e).__name__,
+                    e,
+                )
         if bar is not None:
             bar.set_postfix_str(label)
             bar.update(1)
     if bar is not None:
         bar.close()
-    logger.info("qla-serving: %d of %d GDN kernel configurations ready in %.1f s", done, len(specs),
-                time.perf_counter() - start)
+    logger.info(
+        "qla-serving: %d of %d GDN kernel configurations ready in %.1f s",
+        done,
+        len(specs),
+        time.perf_counter() - start,
+    )
     return done
 
 

@@ -46,15 +46,35 @@ def pytest_report_header(config):
 
 # A Qwen3-Next config (no weights): enough for SGLang to resolve and publish server args.
 TINY_QWEN3_NEXT = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "partial_rotary_factor": 0.25, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1, "norm_topk_prob": True,
-    "hidden_act": "silu", "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
 }
 
 
@@ -83,10 +103,18 @@ def publish_args(sglang_plugins, tiny_model_dir):
     from sglang.srt.server_args import prepare_server_args
 
     def publish(*flags: str):
-        args = prepare_server_args(["--model-path", tiny_model_dir, "--skip-tokenizer-init", "--device", "cpu",
-                                    # the CPU platform has no extra_buffer mamba cache (irrelevant here)
-                                    "--disable-radix-cache",
-                                    *flags])
+        args = prepare_server_args(
+            [
+                "--model-path",
+                tiny_model_dir,
+                "--skip-tokenizer-init",
+                "--device",
+                "cpu",
+                # the CPU platform has no extra_buffer mamba cache (irrelevant here)
+                "--disable-radix-cache",
+                *flags,
+            ]
+        )
         runtime_context.publish(args, role="scheduler")
         return args
 
@@ -110,9 +138,11 @@ def build_dispatcher():
             backends = utils.resolve_linear_attn_backends()
             return backends, GDNKernelDispatcher(backends.decode, backends.prefill, backends.verify)
         utils.initialize_linear_attn_config(server_args)  # SGLang 0.5.17: module-level choice
-        backends = types.SimpleNamespace(decode=utils.get_linear_attn_decode_backend(),
-                                         prefill=utils.get_linear_attn_prefill_backend(),
-                                         verify=utils.get_linear_attn_verify_backend())
+        backends = types.SimpleNamespace(
+            decode=utils.get_linear_attn_decode_backend(),
+            prefill=utils.get_linear_attn_prefill_backend(),
+            verify=utils.get_linear_attn_verify_backend(),
+        )
         return backends, GDNKernelDispatcher(backends.decode, backends.prefill)
 
     return build

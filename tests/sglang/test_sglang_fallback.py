@@ -23,13 +23,20 @@ def dispatcher(server_args, build_dispatcher):
 def runner(head_dim=128, dtype=torch.bfloat16, pool_dtype=torch.float32, device="cpu", draft_tokens=None):
     """The attributes of SGLang's ModelRunner that binding reads (a real one needs a GPU and weights)."""
     temporal = torch.zeros(3, 5, 4, head_dim, head_dim, dtype=pool_dtype)  # [layers, slots, HV, V, K]
-    pool = types.SimpleNamespace(mamba_pool=types.SimpleNamespace(mamba_cache=types.SimpleNamespace(temporal=temporal)))
+    pool = types.SimpleNamespace(
+        mamba_pool=types.SimpleNamespace(mamba_cache=types.SimpleNamespace(temporal=temporal))
+    )
     layer = torch.nn.Module()
     layer.num_k_heads, layer.num_v_heads, layer.head_k_dim = 2, 4, head_dim
     layer.A_log = torch.nn.Parameter(torch.zeros(4))
     layer.dt_bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
-    return types.SimpleNamespace(req_to_token_pool=pool, dtype=dtype, device=device, model=layer,
-                                 server_args=types.SimpleNamespace(speculative_num_draft_tokens=draft_tokens))
+    return types.SimpleNamespace(
+        req_to_token_pool=pool,
+        dtype=dtype,
+        device=device,
+        model=layer,
+        server_args=types.SimpleNamespace(speculative_num_draft_tokens=draft_tokens),
+    )
 
 
 def gdn_backend_with(dispatcher):
@@ -82,8 +89,9 @@ def test_the_warning_is_given_once_per_reason(server_args, build_dispatcher, cap
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 
 
-def test_a_runner_the_adapter_cannot_read_falls_back_unless_strict(server_args, build_dispatcher, monkeypatch,
-                                                                  caplog):
+def test_a_runner_the_adapter_cannot_read_falls_back_unless_strict(
+    server_args, build_dispatcher, monkeypatch, caplog
+):
     from qla_serving.integrations.sglang import patch
 
     odd_runner = types.SimpleNamespace(device="cuda")  # no req_to_token_pool: an SGLang we do not know
@@ -120,7 +128,9 @@ def test_unsupported_model_config_on_a_supported_gpu(dispatcher, monkeypatch, ca
     # Pretend the device itself is fine (an SM90 GPU with TileLang) so the model's config decides.
     monkeypatch.setattr(qla_backend, "device_unsupported_reason", lambda device: None)
     with caplog.at_level(logging.WARNING, logger="qla_serving"):
-        got = bind_to_runner(our_kernel(dispatcher), dispatcher, gdn_backend_with(dispatcher), runner(**config))
+        got = bind_to_runner(
+            our_kernel(dispatcher), dispatcher, gdn_backend_with(dispatcher), runner(**config)
+        )
     assert reason in got
     assert kernel_types(dispatcher) == {"TritonGDNKernel"}
     assert any(reason in r.getMessage() for r in caplog.records)
@@ -142,12 +152,20 @@ def test_supported_config_keeps_our_kernel_and_compiles_at_start_up(dispatcher, 
     assert kernel_types(dispatcher) == {"FlashQLAGDNKernel"}
     assert len(compiled) == 1
     cfg = compiled[0]
-    assert cfg["phases"] == {"decode", "prefill", "verify"} and cfg["num_qk_heads"] == 2 and cfg["num_v_heads"] == 4
+    assert (
+        cfg["phases"] == {"decode", "prefill", "verify"}
+        and cfg["num_qk_heads"] == 2
+        and cfg["num_v_heads"] == 4
+    )
     assert cfg["dtype"] == torch.bfloat16 and cfg["pool_dtype"] == torch.float32 and cfg["draft_tokens"] == 4
     specs = warmup.warmup_specs(**cfg)
     assert [s[0] for s in specs] == ["prefill", "decode", "verify T=4"]
     verify_kwargs = specs[2][3]
-    assert verify_kwargs["T"] == 4 and verify_kwargs["intermediate_states"] and not verify_kwargs["inplace_final_state"]
+    assert (
+        verify_kwargs["T"] == 4
+        and verify_kwargs["intermediate_states"]
+        and not verify_kwargs["inplace_final_state"]
+    )
 
 
 def test_force_reference_keeps_our_kernel(dispatcher, monkeypatch):
@@ -177,8 +195,9 @@ def test_warmup_runs_what_exists_and_logs_what_does_not(monkeypatch, caplog):
     ]
     monkeypatch.setattr(warmup, "warmup_specs", lambda **cfg: specs)
     with caplog.at_level(logging.WARNING, logger="qla_serving"):
-        done = warmup.warmup_kernels(phases={"decode"}, num_qk_heads=2, num_v_heads=4,
-                                     dtype=torch.bfloat16, pool_dtype=torch.float32)
+        done = warmup.warmup_kernels(
+            phases={"decode"}, num_qk_heads=2, num_v_heads=4, dtype=torch.bfloat16, pool_dtype=torch.float32
+        )
     assert done == 1 and calls == [{"T": 1}]
     messages = " | ".join(r.getMessage() for r in caplog.records)
     assert "qla_serving has no no_such_warmup()" in messages

@@ -50,8 +50,9 @@ def test_extend_on_kernels_matches_oracle_and_sglang_triton():
     ours, triton = kernels()
     q, k, v = split_qkv(T)
     A_log, dt_bias = gate_params()
-    g, beta = gdn_gate_ref(torch.randn(T, HV, device=DEV), torch.randn(T, HV, device=DEV), A_log, dt_bias,
-                           dtype=torch.float32)
+    g, beta = gdn_gate_ref(
+        torch.randn(T, HV, device=DEV), torch.randn(T, HV, device=DEV), A_log, dt_bias, dtype=torch.float32
+    )
     g, beta = g.unsqueeze(0), beta.unsqueeze(0)
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     idx = torch.tensor(slots, dtype=torch.int32, device=DEV)
@@ -59,11 +60,26 @@ def test_extend_on_kernels_matches_oracle_and_sglang_triton():
     pool_triton = pool.clone()
     before = pool.clone()
     o, _, _ = ours.extend(q, k, v, g, beta, ssm_states=pool, cache_indices=idx, query_start_loc=qsl)
-    o_tr, _, _ = triton.extend(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, ssm_states=pool_triton,
-                               cache_indices=idx, query_start_loc=qsl)
+    o_tr, _, _ = triton.extend(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g,
+        beta,
+        ssm_states=pool_triton,
+        cache_indices=idx,
+        query_start_loc=qsl,
+    )
     ref_o, ref_final, _ = recurrent_gated_delta_rule_ref(
-        q[0], k[0], v[0], g[0], beta[0], scale=K**-0.5, initial_state=before[idx.long()].double(),
-        cu_seqlens=qsl.cpu(), use_qk_l2norm=True,
+        q[0],
+        k[0],
+        v[0],
+        g[0],
+        beta[0],
+        scale=K**-0.5,
+        initial_state=before[idx.long()].double(),
+        cu_seqlens=qsl.cpu(),
+        use_qk_l2norm=True,
     )
     err_ours, err_triton = rel_err(o[0], ref_o), rel_err(o_tr.view_as(o)[0], ref_o)
     print(f"extend rel err vs float64: ours {err_ours:.2e}, sglang triton {err_triton:.2e}")
@@ -76,18 +92,42 @@ def test_extend_on_kernels_matches_oracle_and_sglang_triton():
 def test_decode_and_verify_on_kernels_match_oracle():
     ours, _ = kernels()
     B = 64
-    slots = torch.randperm(SLOTS - 1, device=DEV)[:B // 2].to(torch.int32) + 1
-    slots = torch.cat([slots, torch.zeros(B - slots.numel(), dtype=torch.int32, device=DEV)])  # padded rows -> slot 0
+    slots = torch.randperm(SLOTS - 1, device=DEV)[: B // 2].to(torch.int32) + 1
+    slots = torch.cat(
+        [slots, torch.zeros(B - slots.numel(), dtype=torch.int32, device=DEV)]
+    )  # padded rows -> slot 0
     q, k, v = split_qkv(B)
-    a, b = torch.randn(B, HV, device=DEV, dtype=torch.bfloat16), torch.randn(B, HV, device=DEV, dtype=torch.bfloat16)
+    a, b = (
+        torch.randn(B, HV, device=DEV, dtype=torch.bfloat16),
+        torch.randn(B, HV, device=DEV, dtype=torch.bfloat16),
+    )
     A_log, dt_bias = gate_params()
     pool = 0.05 * torch.randn(SLOTS, HV, V, K, device=DEV)
     before = pool.clone()
     n = B // 2
-    o = ours.decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=pool, cache_indices=slots,
-                    query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=DEV))
-    ref_o, ref_s = recurrent_decode_ref(q[0, :n, None], k[0, :n, None], v[0, :n, None], a[:n, None], b[:n, None],
-                                        A_log, dt_bias, before[slots[:n].long()].double(), scale=K**-0.5)
+    o = ours.decode(
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        ssm_states=pool,
+        cache_indices=slots,
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=DEV),
+    )
+    ref_o, ref_s = recurrent_decode_ref(
+        q[0, :n, None],
+        k[0, :n, None],
+        v[0, :n, None],
+        a[:n, None],
+        b[:n, None],
+        A_log,
+        dt_bias,
+        before[slots[:n].long()].double(),
+        scale=K**-0.5,
+    )
     assert rel_err(o[0, :n], ref_o[:, 0]) < 2e-2
     assert rel_err(pool[slots[:n].long()], ref_s[:, 0]) < 5e-3
 
@@ -97,14 +137,33 @@ def test_decode_and_verify_on_kernels_match_oracle():
     idx = torch.arange(1, N + 1, dtype=torch.int32, device=DEV)
     buffer = torch.zeros(SLOTS + 1, T, HV, V, K, device=DEV)
     before = pool.clone()
-    o = ours.target_verify(A_log, dt_bias, q, k, v, a, b, ssm_states=pool, cache_indices=idx,
-                           query_start_loc=torch.arange(0, N * T + 1, T, dtype=torch.int32, device=DEV),
-                           intermediate_states_buffer=buffer,
-                           intermediate_state_indices=torch.arange(SLOTS + 1, dtype=torch.int32, device=DEV),
-                           cache_steps=T, retrieve_parent_token=None)
-    ref_o, ref_s = recurrent_decode_ref(q.view(N, T, H, K), k.view(N, T, H, K), v.view(N, T, HV, V),
-                                        a.view(N, T, HV), b.view(N, T, HV), A_log, dt_bias,
-                                        before[idx.long()].double(), scale=K**-0.5)
+    o = ours.target_verify(
+        A_log,
+        dt_bias,
+        q,
+        k,
+        v,
+        a,
+        b,
+        ssm_states=pool,
+        cache_indices=idx,
+        query_start_loc=torch.arange(0, N * T + 1, T, dtype=torch.int32, device=DEV),
+        intermediate_states_buffer=buffer,
+        intermediate_state_indices=torch.arange(SLOTS + 1, dtype=torch.int32, device=DEV),
+        cache_steps=T,
+        retrieve_parent_token=None,
+    )
+    ref_o, ref_s = recurrent_decode_ref(
+        q.view(N, T, H, K),
+        k.view(N, T, H, K),
+        v.view(N, T, HV, V),
+        a.view(N, T, HV),
+        b.view(N, T, HV),
+        A_log,
+        dt_bias,
+        before[idx.long()].double(),
+        scale=K**-0.5,
+    )
     assert rel_err(o.view(N, T, HV, V), ref_o) < 2e-2
     assert rel_err(buffer[:N], ref_s) < 5e-3
     assert torch.equal(pool, before)
@@ -114,7 +173,10 @@ def test_decode_is_cuda_graph_capturable_through_the_kernel_object():
     ours, _ = kernels()
     B = 16
     q, k, v = split_qkv(B)
-    a, b = torch.randn(B, HV, device=DEV, dtype=torch.bfloat16), torch.randn(B, HV, device=DEV, dtype=torch.bfloat16)
+    a, b = (
+        torch.randn(B, HV, device=DEV, dtype=torch.bfloat16),
+        torch.randn(B, HV, device=DEV, dtype=torch.bfloat16),
+    )
     A_log, dt_bias = gate_params()
     slots = torch.arange(1, B + 1, dtype=torch.int32, device=DEV)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=DEV)
@@ -122,8 +184,18 @@ def test_decode_is_cuda_graph_capturable_through_the_kernel_object():
     start = pool.clone()
 
     def step():
-        return ours.decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=pool, cache_indices=slots,
-                           query_start_loc=qsl)
+        return ours.decode(
+            q,
+            k,
+            v,
+            a,
+            b,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            ssm_states=pool,
+            cache_indices=slots,
+            query_start_loc=qsl,
+        )
 
     eager = step().clone()  # also compiles before capture, as SGLang's warm-up runs do
     eager_pool = pool.clone()
@@ -153,9 +225,13 @@ def test_binding_on_sm90_keeps_our_kernel_and_compiles(publish_args):
     layer.num_k_heads, layer.num_v_heads, layer.head_k_dim = H, HV, K
     layer.A_log, layer.dt_bias = torch.nn.Parameter(torch.zeros(HV)), torch.nn.Parameter(torch.zeros(HV))
     runner = types.SimpleNamespace(
-        req_to_token_pool=types.SimpleNamespace(mamba_pool=types.SimpleNamespace(
-            mamba_cache=types.SimpleNamespace(temporal=temporal))),
-        dtype=torch.bfloat16, device="cuda", gpu_id=torch.cuda.current_device(), model=layer,
+        req_to_token_pool=types.SimpleNamespace(
+            mamba_pool=types.SimpleNamespace(mamba_cache=types.SimpleNamespace(temporal=temporal))
+        ),
+        dtype=torch.bfloat16,
+        device="cuda",
+        gpu_id=torch.cuda.current_device(),
+        model=layer,
         server_args=types.SimpleNamespace(speculative_num_draft_tokens=4),
     )
     assert bind_to_runner(our_kernel(d), d, None, runner) is None

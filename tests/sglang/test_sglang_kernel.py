@@ -58,9 +58,14 @@ def extend_batch(lens, slots, *, track=False, track_h_src=None):
     qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(lens).cumsum(0)
     fb = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=len(lens), input_ids=torch.zeros(total, dtype=torch.long),
-        req_pool_indices=torch.arange(len(lens)), seq_lens=torch.tensor(lens), out_cache_loc=torch.zeros(total),
-        seq_lens_sum=total, extend_seq_lens_cpu=list(lens),
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(lens),
+        input_ids=torch.zeros(total, dtype=torch.long),
+        req_pool_indices=torch.arange(len(lens)),
+        seq_lens=torch.tensor(lens),
+        out_cache_loc=torch.zeros(total),
+        seq_lens_sum=total,
+        extend_seq_lens_cpu=list(lens),
     )
     md = ForwardMetadata(query_start_loc=qsl, mamba_cache_indices=torch.tensor(slots, dtype=torch.int32))
     if track:
@@ -88,8 +93,16 @@ def extend_oracle(q, k, v, g, beta, init, lens):
     n = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     return recurrent_gated_delta_rule_ref(
-        q[0, :n], k[0, :n], v[0, :n], g[0, :n], beta[0, :n], scale=K**-0.5, initial_state=init,
-        cu_seqlens=cu, use_qk_l2norm=True, checkpoint_every=64,
+        q[0, :n],
+        k[0, :n],
+        v[0, :n],
+        g[0, :n],
+        beta[0, :n],
+        scale=K**-0.5,
+        initial_state=init,
+        cu_seqlens=cu,
+        use_qk_l2norm=True,
+        checkpoint_every=64,
     )
 
 
@@ -112,8 +125,16 @@ def test_extend_matches_oracle_in_place(pool_dtype):
     q, k, v, g, beta = extend_inputs(lens, pad=pad)
     pool = make_pool(pool_dtype)
     before = pool.clone()
-    o, last_state, h = kernel.extend(q, k, v, g, beta, ssm_states=pool, cache_indices=md.mamba_cache_indices,
-                                     query_start_loc=md.query_start_loc)
+    o, last_state, h = kernel.extend(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_states=pool,
+        cache_indices=md.mamba_cache_indices,
+        query_start_loc=md.query_start_loc,
+    )
     ref_o, ref_final, _ = extend_oracle(q, k, v, g, beta, before[slots].double(), lens)
     n = sum(lens)
     assert o.shape == (1, n + pad, HV, V) and o.dtype == q.dtype
@@ -134,11 +155,17 @@ def test_extend_writes_into_sglangs_output_buffer():
     buffer = torch.full((1, sum(lens), HV, V), float("nan"), dtype=torch.bfloat16)
     kernel = make_kernel()
     kernel.begin_batch(backend, fb)
-    o, _, _ = kernel.extend(*inputs, ssm_states=pool_a, cache_indices=md.mamba_cache_indices,
-                            query_start_loc=md.query_start_loc, output=buffer)
+    o, _, _ = kernel.extend(
+        *inputs,
+        ssm_states=pool_a,
+        cache_indices=md.mamba_cache_indices,
+        query_start_loc=md.query_start_loc,
+        output=buffer,
+    )
     assert o.data_ptr() == buffer.data_ptr()  # SGLang then skips its copy
-    o_ref, _, _ = kernel.extend(*inputs, ssm_states=pool_b, cache_indices=md.mamba_cache_indices,
-                                query_start_loc=md.query_start_loc)
+    o_ref, _, _ = kernel.extend(
+        *inputs, ssm_states=pool_b, cache_indices=md.mamba_cache_indices, query_start_loc=md.query_start_loc
+    )
     assert torch.equal(buffer, o_ref) and torch.equal(pool_a, pool_b)
 
 
@@ -154,8 +181,12 @@ def test_plan_is_built_once_per_batch_and_shared_by_layers(monkeypatch):
     kernel.begin_batch(backend, fb)
     pools = [make_pool(torch.float32) for _ in range(3)]
     for pool in pools:  # three GDN layers of one forward
-        kernel.extend(*extend_inputs(lens), ssm_states=pool, cache_indices=md.mamba_cache_indices,
-                      query_start_loc=md.query_start_loc)
+        kernel.extend(
+            *extend_inputs(lens),
+            ssm_states=pool,
+            cache_indices=md.mamba_cache_indices,
+            query_start_loc=md.query_start_loc,
+        )
     assert len(calls) == 1
     # SGLang gave CPU lengths: the plan holds them, no device read.
     assert calls[0][0].tolist() == [0, 65, 68]
@@ -165,8 +196,12 @@ def test_plan_is_built_once_per_batch_and_shared_by_layers(monkeypatch):
     fb2.extend_seq_lens_cpu = None
     kernel.begin_batch(backend2, fb2)
     for pool in pools:
-        kernel.extend(*extend_inputs([5, 70]), ssm_states=pool, cache_indices=md2.mamba_cache_indices,
-                      query_start_loc=md2.query_start_loc)
+        kernel.extend(
+            *extend_inputs([5, 70]),
+            ssm_states=pool,
+            cache_indices=md2.mamba_cache_indices,
+            query_start_loc=md2.query_start_loc,
+        )
     assert len(calls) == 1 and calls[0][0].tolist() == [0, 5, 75]
 
 
@@ -188,8 +223,14 @@ def test_extend_fills_sglang_track_snapshot_for_prefix_cache():
     kernel.begin_batch(backend, fb)
     chunk_idx = torch.tensor([1, -1, 2, 0], dtype=torch.int32)
     track_state = torch.full((len(lens), HV, V, K), float("nan"))
-    _, _, h = kernel.extend(*inputs, ssm_states=pool, cache_indices=md.mamba_cache_indices,
-                            query_start_loc=md.query_start_loc, track_state=track_state, track_chunk_idx=chunk_idx)
+    _, _, h = kernel.extend(
+        *inputs,
+        ssm_states=pool,
+        cache_indices=md.mamba_cache_indices,
+        query_start_loc=md.query_start_loc,
+        track_state=track_state,
+        track_chunk_idx=chunk_idx,
+    )
     assert h is None
     for row, c in enumerate(chunk_idx.tolist()):
         if c >= 0:
@@ -216,8 +257,9 @@ def test_extend_returns_chunk_states_h_for_older_sglang(cpu_lengths):
     if not cpu_lengths:
         fb.extend_seq_lens_cpu = None
     kernel.begin_batch(backend, fb)
-    _, _, h = kernel.extend(*inputs, ssm_states=pool, cache_indices=md.mamba_cache_indices,
-                            query_start_loc=md.query_start_loc)
+    _, _, h = kernel.extend(
+        *inputs, ssm_states=pool, cache_indices=md.mamba_cache_indices, query_start_loc=md.query_start_loc
+    )
     chunks = [(L + 63) // 64 for L in lens]
     assert h.shape == (1, sum(chunks), HV, V, K) and h.dtype == pool.dtype
     flat = [s for i, n in enumerate(chunks) for s in chunk_states[i][:n]]
@@ -240,12 +282,31 @@ def test_decode_matches_oracle(pool_dtype):
     A_log, dt_bias = gate_params()
     pool = make_pool(pool_dtype)
     before = pool.clone()
-    o = make_kernel().decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=pool, cache_indices=slots,
-                             query_start_loc=torch.arange(B + 1, dtype=torch.int32))
+    o = make_kernel().decode(
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        ssm_states=pool,
+        cache_indices=slots,
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32),
+    )
     live = slots >= 0
     init = before[slots.clamp(min=0).long()].double()
-    ref_o, ref_states = recurrent_decode_ref(q[0].unsqueeze(1), k[0].unsqueeze(1), v[0].unsqueeze(1), a.unsqueeze(1),
-                                             b.unsqueeze(1), A_log, dt_bias, init, scale=K**-0.5)
+    ref_o, ref_states = recurrent_decode_ref(
+        q[0].unsqueeze(1),
+        k[0].unsqueeze(1),
+        v[0].unsqueeze(1),
+        a.unsqueeze(1),
+        b.unsqueeze(1),
+        A_log,
+        dt_bias,
+        init,
+        scale=K**-0.5,
+    )
     assert o.shape == (1, B, HV, V) and o.dtype == q.dtype
     assert rel_err(o[0, live], ref_o[live, 0]) < OUT_TOL
     assert torch.equal(o[0, ~live], torch.zeros_like(o[0, ~live]))
@@ -272,13 +333,32 @@ def test_target_verify_matches_oracle_and_keeps_pool(stable_rows):
     before = pool.clone()
     buffer = torch.zeros(NUM_SLOTS + 1, T, HV, V, K)
     o = make_kernel().target_verify(
-        A_log, dt_bias, q, k, v, a, b, ssm_states=pool, cache_indices=slots,
-        query_start_loc=torch.arange(0, N * T + 1, T, dtype=torch.int32), intermediate_states_buffer=buffer,
-        intermediate_state_indices=rows, cache_steps=T, retrieve_parent_token=None, stable_rows=stable_rows,
+        A_log,
+        dt_bias,
+        q,
+        k,
+        v,
+        a,
+        b,
+        ssm_states=pool,
+        cache_indices=slots,
+        query_start_loc=torch.arange(0, N * T + 1, T, dtype=torch.int32),
+        intermediate_states_buffer=buffer,
+        intermediate_state_indices=rows,
+        cache_steps=T,
+        retrieve_parent_token=None,
+        stable_rows=stable_rows,
     )
     ref_o, ref_states = recurrent_decode_ref(
-        q.view(N, T, H, K), k.view(N, T, H, K), v.view(N, T, HV, V), a.view(N, T, HV), b.view(N, T, HV),
-        A_log, dt_bias, before[slots.long()].double(), scale=K**-0.5,
+        q.view(N, T, H, K),
+        k.view(N, T, H, K),
+        v.view(N, T, HV, V),
+        a.view(N, T, HV),
+        b.view(N, T, HV),
+        A_log,
+        dt_bias,
+        before[slots.long()].double(),
+        scale=K**-0.5,
     )
     assert o.shape == v.shape and o.dtype == q.dtype
     assert rel_err(o.view(N, T, HV, V), ref_o) < OUT_TOL
@@ -314,9 +394,22 @@ def test_target_verify_hands_unsupported_drafts_to_fallback(case):
     parent = torch.zeros(N, T, dtype=torch.long) if case == "tree" else None
     pool = make_pool(torch.float32)
     before = pool.clone()
-    kernel.target_verify(A_log, dt_bias, q, k, v, a, b, ssm_states=pool, cache_indices=torch.tensor([1, 2]),
-                         query_start_loc=qsl, intermediate_states_buffer=torch.zeros(4, T, HV, V, K),
-                         intermediate_state_indices=torch.arange(4), cache_steps=T, retrieve_parent_token=parent)
+    kernel.target_verify(
+        A_log,
+        dt_bias,
+        q,
+        k,
+        v,
+        a,
+        b,
+        ssm_states=pool,
+        cache_indices=torch.tensor([1, 2]),
+        query_start_loc=qsl,
+        intermediate_states_buffer=torch.zeros(4, T, HV, V, K),
+        intermediate_state_indices=torch.arange(4),
+        cache_steps=T,
+        retrieve_parent_token=parent,
+    )
     assert len(fallback.calls) == 1 and fallback.calls[0]["retrieve_parent_token"] is parent
     assert torch.equal(pool, before)
 
@@ -330,18 +423,31 @@ def test_sglang_dispatcher_routes_calls_to_our_kernel(publish_args, build_dispat
     inputs = extend_inputs(lens)
     pool_a, pool_b = make_pool(torch.float32), None
     pool_b = pool_a.clone()
-    o_disp, _, _ = d.extend(*inputs, ssm_states=pool_a, cache_indices=md.mamba_cache_indices,
-                            query_start_loc=md.query_start_loc)
-    o_direct, _, _ = make_kernel().extend(*inputs, ssm_states=pool_b, cache_indices=md.mamba_cache_indices,
-                                          query_start_loc=md.query_start_loc)
+    o_disp, _, _ = d.extend(
+        *inputs, ssm_states=pool_a, cache_indices=md.mamba_cache_indices, query_start_loc=md.query_start_loc
+    )
+    o_direct, _, _ = make_kernel().extend(
+        *inputs, ssm_states=pool_b, cache_indices=md.mamba_cache_indices, query_start_loc=md.query_start_loc
+    )
     assert torch.equal(o_disp, o_direct) and torch.equal(pool_a, pool_b)
     N, T = 2, 2
     q, k, v, a, b, A_log, dt_bias = verify_inputs(N, T)
     buffer = torch.zeros(NUM_SLOTS + 1, T, HV, V, K)
     before = pool_a.clone()
-    o = d.target_verify(A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, ssm_states=pool_a,
-                        cache_indices=torch.tensor([2, 6], dtype=torch.int32),
-                        query_start_loc=torch.arange(0, N * T + 1, T, dtype=torch.int32),
-                        intermediate_states_buffer=buffer, intermediate_state_indices=torch.arange(NUM_SLOTS + 1),
-                        cache_steps=T, retrieve_parent_token=None)
+    o = d.target_verify(
+        A_log=A_log,
+        dt_bias=dt_bias,
+        q=q,
+        k=k,
+        v=v,
+        a=a,
+        b=b,
+        ssm_states=pool_a,
+        cache_indices=torch.tensor([2, 6], dtype=torch.int32),
+        query_start_loc=torch.arange(0, N * T + 1, T, dtype=torch.int32),
+        intermediate_states_buffer=buffer,
+        intermediate_state_indices=torch.arange(NUM_SLOTS + 1),
+        cache_steps=T,
+        retrieve_parent_token=None,
+    )
     assert o.shape == v.shape and torch.equal(pool_a, before) and buffer[:N].abs().sum() > 0

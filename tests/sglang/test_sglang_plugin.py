@@ -9,10 +9,12 @@ ENTRY_POINT = "qla_serving.integrations.sglang:register"
 
 
 def test_entry_point_is_installed_and_loads():
-    eps = [ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == "qla_serving"]
+    eps = [
+        ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == "qla_serving"
+    ]
     assert len(eps) == 1, (
         "no 'qla_serving' entry point in group sglang.srt.plugins: pyproject.toml needs "
-        f"[project.entry-points.\"sglang.srt.plugins\"] qla_serving = \"{ENTRY_POINT}\""
+        f'[project.entry-points."sglang.srt.plugins"] qla_serving = "{ENTRY_POINT}"'
     )
     assert eps[0].value == ENTRY_POINT
     from qla_serving.integrations.sglang import register
@@ -45,8 +47,17 @@ def test_sglang_loader_runs_the_plugin(sglang_plugins):
 def test_flags_accept_flashqla_and_reach_server_args(sglang_plugins, tiny_model_dir, flags, field):
     from sglang.srt.server_args import prepare_server_args
 
-    args = prepare_server_args(["--model-path", tiny_model_dir, "--skip-tokenizer-init", "--device", "cpu",
-                                "--disable-radix-cache", *flags])
+    args = prepare_server_args(
+        [
+            "--model-path",
+            tiny_model_dir,
+            "--skip-tokenizer-init",
+            "--device",
+            "cpu",
+            "--disable-radix-cache",
+            *flags,
+        ]
+    )
     assert getattr(args, field) == "flashqla"
 
 
@@ -63,7 +74,10 @@ def test_unknown_backend_name_is_still_rejected(sglang_plugins, tiny_model_dir):
         (["--linear-attn-backend", "flashqla"], {"decode", "extend", "verify"}),
         (["--linear-attn-prefill-backend", "flashqla"], {"extend"}),
         (["--linear-attn-decode-backend", "flashqla"], {"decode", "verify"}),
-        (["--linear-attn-backend", "flashqla", "--linear-attn-verify-backend", "triton"], {"decode", "extend"}),
+        (
+            ["--linear-attn-backend", "flashqla", "--linear-attn-verify-backend", "triton"],
+            {"decode", "extend"},
+        ),
         ([], set()),
     ],
 )
@@ -141,8 +155,17 @@ def test_flashqla_keeps_triton_mamba_cache_strategy(sglang_plugins, tiny_model_d
 
     assert hasattr(overrides.supports_mamba_cache_extra_buffer, "__wrapped__")
     hf_config = AutoConfig.from_pretrained(tiny_model_dir)
-    args = prepare_server_args(["--model-path", tiny_model_dir, "--device", "cpu", "--disable-radix-cache",
-                                "--linear-attn-backend", backend_flag])
+    args = prepare_server_args(
+        [
+            "--model-path",
+            tiny_model_dir,
+            "--device",
+            "cpu",
+            "--disable-radix-cache",
+            "--linear-attn-backend",
+            backend_flag,
+        ]
+    )
     # SGLang <= 0.5.20 passes the architecture name, later versions the HF config.
     second = list(inspect.signature(overrides.supports_mamba_cache_extra_buffer.__wrapped__).parameters)[1]
     model = hf_config.architectures[0] if second == "model_arch" else hf_config
