@@ -8,6 +8,7 @@ do not support falls back to the reference with one warning naming the reason; w
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import logging
 import os
@@ -55,6 +56,15 @@ def unsupported_reason(device: torch.device, head_k: int, head_v: int, dtype: to
     return device_unsupported_reason(torch.device(device)) or config_unsupported_reason(head_k, head_v, dtype)
 
 
+def _fall_back(op: str, reason: str) -> None:
+    """Log the fallback once per (op, reason), or raise in strict mode."""
+    if strict_mode():
+        raise KernelUnavailable(f"qla-serving {op}: kernels unavailable ({reason}) and QLA_STRICT=1")
+    if (op, reason) not in _warned:
+        _warned.add((op, reason))
+        logger.warning("qla-serving %s: running the PyTorch reference, not the kernels: %s", op, reason)
+
+
 def use_kernels(op: str, device: torch.device, head_k: int, head_v: int, dtype: torch.dtype) -> bool:
     """True when ``op`` should run on the kernels; otherwise log once (or raise in strict mode)."""
     if os.environ.get("QLA_FORCE_REFERENCE") == "1":
@@ -63,9 +73,21 @@ def use_kernels(op: str, device: torch.device, head_k: int, head_v: int, dtype: 
         reason = unsupported_reason(device, head_k, head_v, dtype)
     if reason is None:
         return True
-    if strict_mode():
-        raise KernelUnavailable(f"qla-serving {op}: kernels unavailable ({reason}) and QLA_STRICT=1")
-    if (op, reason) not in _warned:
-        _warned.add((op, reason))
-        logger.warning("qla-serving %s: running the PyTorch reference, not the kernels: %s", op, reason)
+    _fall_back(op, reason)
     return False
+
+
+def kernel_entry(op: str, module: str, entry: str, device: torch.device, head_k: int, head_v: int,
+                 dtype: torch.dtype):
+    """``qla_serving.kernels.<module>.<entry>`` when ``op`` runs on the kernels, else None.
+
+    A configuration the kernels do not support, or a kernel module that does not import,
+    falls back (one warning) or raises under ``QLA_STRICT=1``.
+    """
+    if not use_kernels(op, device, head_k, head_v, dtype):
+        return None
+    try:
+        return getattr(importlib.import_module(f"qla_serving.kernels.{module}"), entry)
+    except (ImportError, AttributeError) as e:
+        _fall_back(op, f"the {module} kernel module does not import ({e})")
+        return None

@@ -180,3 +180,21 @@ def test_strict_mode_names_head_dim_on_a_supported_device(monkeypatch):
             torch.randn(N, 2, 64).bfloat16(), torch.randn(N, 2, 64).bfloat16(), torch.randn(N, HV, 64).bfloat16(),
             torch.randn(N, HV), torch.randn(N, HV), torch.zeros(HV), torch.zeros(HV), torch.zeros(3, HV, 64, 64),
             torch.tensor([0, 2]))
+
+
+def test_kernel_entry_resolves_the_kernel_functions(monkeypatch):
+    """With a supported device the ops get the kernels' real entry points (modules import without TileLang)."""
+    from qla_serving.kernels import chunk_prefill, decode
+
+    monkeypatch.setattr(backend, "device_unsupported_reason", lambda device: None)
+    dev = torch.device("cpu")
+    assert backend.kernel_entry("prefill", "chunk_prefill", "chunk_gated_delta_rule_fwd", dev, 128, 128,
+                                torch.bfloat16) is chunk_prefill.chunk_gated_delta_rule_fwd
+    assert backend.kernel_entry("decode", "decode", "gated_delta_rule_decode_fwd", dev, 128, 128,
+                                torch.float16) is decode.gated_delta_rule_decode_fwd
+    backend._warned.clear()
+    assert backend.kernel_entry("decode", "no_such_module", "fwd", dev, 128, 128, torch.bfloat16) is None
+    assert any("no_such_module" in r for _, r in backend._warned)
+    monkeypatch.setenv("QLA_STRICT", "1")
+    with pytest.raises(backend.KernelUnavailable, match="no_such_module kernel module does not import"):
+        backend.kernel_entry("decode", "no_such_module", "fwd", dev, 128, 128, torch.bfloat16)

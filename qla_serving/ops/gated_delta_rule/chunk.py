@@ -14,27 +14,6 @@ from . import checks
 from .naive import CHUNK_SIZE, chunk_gated_delta_rule_ref
 
 
-def _prefill_kernel():
-    """The kernel entry point, or the reason it cannot be imported."""
-    try:
-        from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd
-    except ImportError as e:
-        return None, f"the prefill kernel module does not import ({e})"
-    return chunk_gated_delta_rule_fwd, None
-
-
-def _use_prefill_kernels(q: torch.Tensor, K: int, V: int) -> bool:
-    if not backend.use_kernels("prefill", q.device, K, V, q.dtype):
-        return False
-    fn, reason = _prefill_kernel()
-    if fn is None:
-        if backend.strict_mode():
-            raise backend.KernelUnavailable(f"qla-serving prefill: {reason} and QLA_STRICT=1")
-        backend.logger.warning("qla-serving prefill: running the PyTorch reference: %s", reason)
-        return False
-    return True
-
-
 def _plan_for(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu, T: int, device, checkpoint_every) -> PrefillPlan:
     if cu_seqlens_cpu is None:
         # Only the FLA-compatible path gets here without a plan: one sync to read the offsets.
@@ -79,10 +58,9 @@ def _flatten_batch(name: str, x: torch.Tensor, rank: int, layout: str) -> torch.
 def _run_prefill(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_initial_state,
                  use_qk_l2norm, checkpoints, out) -> None:
     """Run on validated flat inputs; updates ``state_pool``/``checkpoints``/``out`` in place."""
-    H, K = q.shape[1], q.shape[2]
-    V = v.shape[2]
-    if _use_prefill_kernels(q, K, V):
-        fwd, _ = _prefill_kernel()
+    fwd = backend.kernel_entry("prefill", "chunk_prefill", "chunk_gated_delta_rule_fwd", q.device,
+                               q.shape[2], v.shape[2], q.dtype)
+    if fwd is not None:
         fwd(q, k, v, g.float() if g.dtype != torch.float32 else g, beta, scale=scale, plan=plan,
             state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
             use_qk_l2norm=use_qk_l2norm, checkpoints=checkpoints, out=out)

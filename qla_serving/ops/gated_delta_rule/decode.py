@@ -13,26 +13,6 @@ from . import checks
 from .naive import recurrent_decode_ref
 
 
-def _decode_kernel():
-    try:
-        from qla_serving.kernels.decode import gated_delta_rule_decode_fwd
-    except ImportError as e:
-        return None, f"the decode kernel module does not import ({e})"
-    return gated_delta_rule_decode_fwd, None
-
-
-def _use_decode_kernels(q: torch.Tensor, K: int, V: int) -> bool:
-    if not backend.use_kernels("decode", q.device, K, V, q.dtype):
-        return False
-    fn, reason = _decode_kernel()
-    if fn is None:
-        if backend.strict_mode():
-            raise backend.KernelUnavailable(f"qla-serving decode: {reason} and QLA_STRICT=1")
-        backend.logger.warning("qla-serving decode: running the PyTorch reference: %s", reason)
-        return False
-    return True
-
-
 def gated_delta_rule_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,8 +105,8 @@ def gated_delta_rule_decode(
         checks.expect_contiguous("out", out)
     scale = K**-0.5 if scale is None else scale
 
-    if _use_decode_kernels(q, K, V):
-        fwd, _ = _decode_kernel()
+    fwd = backend.kernel_entry("decode", "decode", "gated_delta_rule_decode_fwd", q.device, K, V, q.dtype)
+    if fwd is not None:
         fwd(q, k, v, a, b, A_log, dt_bias, state_pool=state_pool, state_indices=state_indices, scale=scale,
             use_qk_l2norm=use_qk_l2norm_in_kernel, out=out, intermediate_states=intermediate_states,
             inplace_final_state=inplace_final_state)
