@@ -95,7 +95,6 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int):
     NC = T.dynamic("num_chunks", "int64")
     NS1 = T.dynamic("num_seqs_plus_one")
     BLK = 16  # diagonal block size of the triangular solve
-    NB = C // BLK
 
     @T.prim_func
     def prep(
@@ -235,7 +234,6 @@ def _build_state(cfg: PrefillStaticConfig, block_v: int, threads: int, num_stage
     NS1 = T.dynamic("num_seqs_plus_one")
     NP = T.dynamic("pool_elems", "int64")
     NCK = T.dynamic("num_ckpt_rows", "int64")
-    HVK = HV * V * K
 
     @T.prim_func
     def state(

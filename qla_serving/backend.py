@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -28,6 +29,45 @@ def strict_mode() -> bool:
     return os.environ.get("QLA_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+# The TileLang the kernels are written and tested for; pyproject's `gpu` extra pins the same
+# (tests/test_packaging.py checks). The engines pin older ones (vLLM 0.26: 0.1.9; vLLM
+# 0.27-0.32 and SGLang 0.5.20-0.5.23: 0.1.12), so a mismatch is a likely configuration.
+TILELANG_VERSION = "0.1.15"
+
+
+def _installed_tilelang() -> str | None:
+    """The version of the TileLang that imports (a copy on PYTHONPATH can differ from the one
+    pip installed, so ask the module first, then the metadata)."""
+    try:
+        import tilelang
+
+        version = getattr(tilelang, "__version__", None)
+        if version:
+            return str(version)
+    except Exception:  # a TileLang that does not even import: let the kernels report it
+        return None
+    try:
+        return importlib.metadata.version("tilelang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def tilelang_unsupported_reason() -> str | None:
+    """Why the installed TileLang cannot build the kernels, or None.
+
+    ``QLA_ALLOW_TILELANG=1`` skips the version comparison (to try another TileLang on purpose).
+    """
+    if importlib.util.find_spec("tilelang") is None:
+        return "TileLang is not installed (pip install 'qla-serving[gpu]')"
+    if os.environ.get("QLA_ALLOW_TILELANG") == "1":
+        return None
+    have = _installed_tilelang()
+    if have is not None and have.split("+")[0] != TILELANG_VERSION:
+        return (f"TileLang {have} is installed but the kernels are built for TileLang {TILELANG_VERSION} "
+                "(QLA_ALLOW_TILELANG=1 to try it anyway)")
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def device_unsupported_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run on ``device`` at all, or None when they can."""
@@ -38,9 +78,7 @@ def device_unsupported_reason(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"GPU compute capability is {major}.{minor}, the kernels are built for SM90 (Hopper)"
-    if importlib.util.find_spec("tilelang") is None:
-        return "TileLang is not installed (pip install 'qla-serving[gpu]')"
-    return None
+    return tilelang_unsupported_reason()
 
 
 def config_unsupported_reason(head_k: int, head_v: int, dtype: torch.dtype) -> str | None:

@@ -55,7 +55,7 @@ def test_fla_api_without_state():
 @pytest.mark.parametrize("batched", [False, True], ids=["[T,..]", "[1,T,..]"])
 def test_pool_prefill_scattered_slots(pool_dtype, batched):
     lengths = [65, 1, 128, 30]
-    N, HV, K = len(lengths), 4, 16
+    HV, K = 4, 16
     q, k, v, g, beta = _batch(lengths, 2, HV, K, K)
     # A pool with a slot stride larger than a slot (engines share the buffer with conv state).
     backing = torch.randn(12, HV * K * K + 40).to(pool_dtype)
@@ -198,3 +198,20 @@ def test_kernel_entry_resolves_the_kernel_functions(monkeypatch):
     monkeypatch.setenv("QLA_STRICT", "1")
     with pytest.raises(backend.KernelUnavailable, match="no_such_module kernel module does not import"):
         backend.kernel_entry("decode", "no_such_module", "fwd", dev, 128, 128, torch.bfloat16)
+
+
+def test_tilelang_version_mismatch_is_a_fallback_reason(monkeypatch):
+    """The engines pin older TileLangs than the kernels are built for: that must be a named reason."""
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "tilelang" else None)
+    monkeypatch.setattr(backend, "_installed_tilelang", lambda: "0.1.12")
+    reason = backend.tilelang_unsupported_reason()
+    assert "TileLang 0.1.12 is installed" in reason and backend.TILELANG_VERSION in reason
+    monkeypatch.setattr(backend, "_installed_tilelang", lambda: backend.TILELANG_VERSION + "+cu130")
+    assert backend.tilelang_unsupported_reason() is None
+    monkeypatch.setattr(backend, "_installed_tilelang", lambda: "0.1.9")
+    monkeypatch.setenv("QLA_ALLOW_TILELANG", "1")
+    assert backend.tilelang_unsupported_reason() is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert "not installed" in backend.tilelang_unsupported_reason()

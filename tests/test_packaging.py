@@ -42,3 +42,10 @@ def test_console_script_is_installed():
     assert importlib.util.find_spec("qla_serving.cli") is not None
     out = subprocess.run(["qla-serving", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "check" in out.stdout
+
+
+def test_gpu_extra_pins_the_tilelang_the_kernels_check_for():
+    from qla_serving.backend import TILELANG_VERSION
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"tilelang=={TILELANG_VERSION}" in extras["gpu"]

@@ -9,10 +9,7 @@ logger; ``QLA_STRICT=1`` turns that into :class:`qla_serving.backend.KernelUnava
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import logging
-import os
 
 import torch
 
@@ -26,54 +23,8 @@ _warned: set[str] = set()
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _required_tilelang() -> str | None:
-    """The TileLang version qla-serving's ``gpu`` extra pins, from the installed metadata."""
-    try:
-        requirements = importlib.metadata.requires("qla-serving") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for req in requirements:
-        name, _, rest = req.partition("==")
-        if name.strip().lower() == "tilelang" and rest:
-            return rest.split(";")[0].strip()
-    return None
-
-
-def _installed_tilelang() -> str | None:
-    """The version of the TileLang that imports (a staged copy on PYTHONPATH can differ from
-    the one pip installed, so ask the module first, then the metadata)."""
-    try:
-        import tilelang
-
-        version = getattr(tilelang, "__version__", None)
-        if version:
-            return str(version)
-    except Exception:  # a TileLang that does not even import: let the kernels report it
-        return None
-    try:
-        return importlib.metadata.version("tilelang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def tilelang_unsupported_reason() -> str | None:
-    """Why the installed TileLang cannot build the kernels, or None.
-
-    vLLM pins its own TileLang (0.1.9 for vLLM 0.26, 0.1.12 for 0.27-0.32); the kernels are
-    written for the version qla-serving's ``gpu`` extra names. ``QLA_ALLOW_TILELANG=1`` skips
-    the version comparison (for trying another TileLang on purpose).
-    """
-    if importlib.util.find_spec("tilelang") is None:
-        return "TileLang is not installed (pip install 'qla-serving[gpu]')"
-    want = _required_tilelang()
-    if want is None or os.environ.get("QLA_ALLOW_TILELANG") == "1":
-        return None
-    have = _installed_tilelang()
-    if have is None:
-        return None  # no version to compare with
-    if have.split("+")[0] != want:
-        return f"TileLang {have} is installed but the kernels are built for TileLang {want}"
-    return None
+# Kept under its old name for the adapter's callers; the check lives in the core.
+tilelang_unsupported_reason = backend.tilelang_unsupported_reason
 
 
 def unsupported_reason(
@@ -98,7 +49,7 @@ def unsupported_reason(
         reason = f"the recurrent state cache is {state_dtype}; the kernels keep it in float32 or bfloat16"
     if reason is None:
         reason = backend.device_unsupported_reason(torch.device(device))
-    return reason if reason is not None else tilelang_unsupported_reason()
+    return reason
 
 
 def decide(reason: str | None, *, what: str = "GDN layers") -> bool:

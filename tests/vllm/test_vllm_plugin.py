@@ -184,6 +184,7 @@ def test_tilelang_reasons(monkeypatch):
     """No TileLang, or a TileLang other than the one the kernels are built for."""
     import importlib.util
 
+    from qla_serving import backend
     from qla_serving.integrations.vllm import support
 
     real_find_spec = importlib.util.find_spec
@@ -191,7 +192,7 @@ def test_tilelang_reasons(monkeypatch):
                         lambda name, *a: None if name == "tilelang" else real_find_spec(name, *a))
     assert "not installed" in support.tilelang_unsupported_reason()
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
-    monkeypatch.setattr(support, "_required_tilelang", lambda: "99.0.0")
+    monkeypatch.setattr(backend, "TILELANG_VERSION", "99.0.0")
     if real_find_spec("tilelang") is not None:
         assert "99.0.0" in support.tilelang_unsupported_reason()
         monkeypatch.setenv("QLA_ALLOW_TILELANG", "1")

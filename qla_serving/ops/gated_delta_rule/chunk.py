@@ -227,7 +227,7 @@ def chunk_gated_delta_rule(
         raise ValueError(f"varlen mode (cu_seqlens/plan) needs batch size 1, got B={B}")
     if not varlen:
         cu_seqlens_cpu = torch.arange(0, (B + 1) * T, T)
-    H, HV, K, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     flat = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
     qf, kf, vf, gf, bf = flat
     if plan is None:
