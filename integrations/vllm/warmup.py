@@ -9,21 +9,21 @@ cache, so a warm restart loads instead of compiling.
 
 Two kinds of step: the kernel modules' own ``warmup(...)`` (compiles every tile variant), and
 one tiny real call of each op with the layer's exact dtypes (covers anything the first
-missed). A missing kernel module or ``warmup`` is logged, not fatal: the ops then compile on
-first use (``QLA_STRICT=1`` makes a failed step an error).
+missed). The loop, progress bar and failure policy are :mod:`qla_serving.warmup`'s: a missing
+kernel module or ``warmup`` is logged, not fatal (the ops then compile on first use), and
+``QLA_STRICT=1`` makes a failed step an error.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 
 import torch
 
 import qla_serving
-from qla_serving import backend
 from qla_serving.plan import plan_prefill
+from qla_serving.warmup import WarmupConfig, kernel_warmup_specs, resolve_steps, run_warmup
 
 logger = logging.getLogger("vllm.qla_serving")
 
@@ -57,40 +57,16 @@ def layer_static_config(layer, device: torch.device) -> StaticConfig:
     )
 
 
-def _kernel_warmup(module: str):
-    """``qla_serving.kernels.<module>.warmup`` or None (with the reason logged)."""
-    try:
-        fn = getattr(importlib.import_module(f"qla_serving.kernels.{module}"), "warmup", None)
-    except Exception as e:  # an import failure of a kernel module must not stop start-up
-        logger.warning("qla-serving: kernel module %s does not import (%s); its kernels compile on first use",
-                       module, e)
-        return None
-    if fn is None:
-        logger.warning("qla-serving: qla_serving.kernels.%s has no warmup(); its kernels compile on first use",
-                       module)
-    return fn
-
-
 def warmup_steps(cfg: StaticConfig, A_log: torch.Tensor, dt_bias: torch.Tensor) -> list[tuple[str, object]]:
     """The ``(description, callable)`` steps that compile ``cfg``'s kernels."""
     H, HV, K, V = cfg.num_qk_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
     dev = torch.device(cfg.device)
-    steps: list[tuple[str, object]] = []
-    prefill_warmup = _kernel_warmup("chunk_prefill")
-    decode_warmup = _kernel_warmup("decode")
-    if prefill_warmup is not None:
-        # vLLM's fused_post_conv_prep hands the prefill L2-normalised q/k and float32 beta.
-        steps.append(("prefill kernels", lambda: prefill_warmup(
-            H, HV, dtype=cfg.dtype, beta_dtype=torch.float32, pool_dtype=cfg.state_dtype, use_qk_l2norm=False)))
-    if decode_warmup is not None:
-        steps.append(("decode kernels", lambda: decode_warmup(
-            H, HV, 1, dtype=cfg.dtype, pool_dtype=cfg.state_dtype, gate_dtype=cfg.gate_dtype,
-            index_dtype=torch.int32, use_qk_l2norm=True)))
-        if cfg.num_spec_tokens:
-            steps.append(("speculative-verify kernels", lambda: decode_warmup(
-                H, HV, cfg.num_spec_tokens + 1, dtype=cfg.dtype, pool_dtype=cfg.state_dtype,
-                gate_dtype=cfg.gate_dtype, index_dtype=torch.int32, use_qk_l2norm=True,
-                intermediate_states=True, inplace_final_state=False)))
+    # vLLM's fused_post_conv_prep hands the prefill L2-normalised q/k and float32 beta.
+    steps = resolve_steps(kernel_warmup_specs(WarmupConfig(
+        num_qk_heads=H, num_v_heads=HV, dtype=cfg.dtype, pool_dtype=cfg.state_dtype, gate_dtype=cfg.gate_dtype,
+        prefill_beta_dtype=torch.float32, prefill_qk_l2norm=False,
+        verify_tokens=cfg.num_spec_tokens + 1 if cfg.num_spec_tokens else None,
+    )), logger)
 
     def pool():
         return torch.zeros(2, HV, V, K, dtype=cfg.state_dtype, device=dev)
@@ -123,25 +99,6 @@ def warmup_steps(cfg: StaticConfig, A_log: torch.Tensor, dt_bias: torch.Tensor) 
     return steps
 
 
-def run_steps(steps: list[tuple[str, object]], label: str) -> int:
-    """Run warm-up steps under a progress bar; returns how many failed (logged)."""
-    from tqdm.auto import tqdm
-
-    failed = 0
-    with tqdm(total=len(steps), desc=f"qla-serving: compiling GDN kernels ({label})", unit="step") as bar:
-        for name, fn in steps:
-            bar.set_postfix_str(name)
-            try:
-                fn()
-            except Exception as e:
-                if backend.strict_mode():
-                    raise backend.KernelUnavailable(f"qla-serving: warm-up step '{name}' failed: {e}") from e
-                failed += 1
-                logger.warning("qla-serving: warm-up step '%s' failed (%s); it will compile on first use", name, e)
-            bar.update(1)
-    return failed
-
-
 def warm_up_layer(layer, sample: torch.Tensor) -> None:
     """Compile the kernels ``layer`` needs, once per process and static configuration.
 
@@ -158,5 +115,5 @@ def warm_up_layer(layer, sample: torch.Tensor) -> None:
     label = f"H={cfg.num_qk_heads} HV={cfg.num_v_heads} {str(cfg.dtype).replace('torch.', '')}"
     steps = warmup_steps(cfg, layer.A_log, layer.dt_bias)
     with torch.no_grad():
-        run_steps(steps, label)
+        run_warmup(steps, desc=f"qla-serving: compiling GDN kernels ({label})", log=logger)
     torch.cuda.synchronize(sample.device)
