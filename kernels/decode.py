@@ -223,22 +223,29 @@ def _key(H, HV, T_tok, q_dtype, ab_dtype, alog_dtype, bias_dtype, pool_dtype, id
 
 def warmup(H: int, HV: int, T: int = 1, *, dtype: torch.dtype = torch.bfloat16,
            pool_dtype: torch.dtype = torch.float32, gate_dtype: torch.dtype = torch.float32,
+           bias_dtype: torch.dtype | None = None, ab_dtype: torch.dtype | None = None,
            index_dtype: torch.dtype = torch.int32, use_qk_l2norm: bool = True,
            intermediate_states: bool = False, inplace_final_state: bool = True) -> int:
     """Compile (or load from TileLang's cache) every tile variant of one static configuration.
 
+    The kernel is keyed on every input's dtype, so each must be the one the engine will pass
+    (a model may keep ``A_log`` in float32 and ``dt_bias`` in bf16).
+
     Args:
         H, HV: q/k heads and value heads. T: tokens per sequence (1..8).
-        dtype: q/k/v/a/b dtype (bf16 or fp16). pool_dtype: float32 or bfloat16.
-        gate_dtype: dtype of A_log and dt_bias. index_dtype: int32 or int64.
+        dtype: q/k/v dtype (bf16 or fp16). pool_dtype: float32 or bfloat16.
+        gate_dtype: dtype of A_log. bias_dtype: dtype of dt_bias (default: gate_dtype).
+        ab_dtype: dtype of a and b (default: dtype). index_dtype: int32 or int64.
         use_qk_l2norm, intermediate_states, inplace_final_state: the call's flags.
 
     Returns:
         the number of kernels compiled by this call (0 when all were cached).
     """
     before = compile_count
+    bias_dtype = gate_dtype if bias_dtype is None else bias_dtype
+    ab_dtype = dtype if ab_dtype is None else ab_dtype
     for tile in {_tile_for(1, pool_dtype), _tile_for(1 << 30, pool_dtype)}:
-        _get_kernel(_key(H, HV, T, dtype, dtype, gate_dtype, gate_dtype, pool_dtype, index_dtype, use_qk_l2norm,
+        _get_kernel(_key(H, HV, T, dtype, ab_dtype, gate_dtype, bias_dtype, pool_dtype, index_dtype, use_qk_l2norm,
                          intermediate_states, inplace_final_state, tile))
     return compile_count - before
 

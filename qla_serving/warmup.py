@@ -36,7 +36,9 @@ class WarmupConfig:
         num_qk_heads, num_v_heads: ``H`` and ``HV`` on this rank (after tensor parallelism).
         dtype: activation dtype (q, k, v; decode's a and b).
         pool_dtype: the engine's recurrent-state pool dtype.
-        gate_dtype: dtype of the layers' ``A_log`` / ``dt_bias``.
+        gate_dtype: dtype of the layers' ``A_log``.
+        bias_dtype: dtype of their ``dt_bias`` (None: ``gate_dtype``); the decode kernel is
+            keyed on both, so a mismatch would compile while serving.
         index_dtype: dtype of the engine's state indices.
         phases: which of ``prefill``, ``decode``, ``verify`` run on our kernels.
         prefill_beta_dtype: dtype of beta as the engine hands it to prefill.
@@ -50,6 +52,7 @@ class WarmupConfig:
     dtype: torch.dtype
     pool_dtype: torch.dtype
     gate_dtype: torch.dtype = torch.float32
+    bias_dtype: torch.dtype | None = None
     index_dtype: torch.dtype = torch.int32
     phases: frozenset = PHASES
     prefill_beta_dtype: torch.dtype = torch.float32
@@ -65,7 +68,8 @@ def kernel_warmup_specs(cfg: WarmupConfig) -> list[tuple[str, str, str, dict]]:
             num_qk_heads=cfg.num_qk_heads, num_v_heads=cfg.num_v_heads, dtype=cfg.dtype,
             beta_dtype=cfg.prefill_beta_dtype, pool_dtype=cfg.pool_dtype, use_qk_l2norm=cfg.prefill_qk_l2norm)))
     common = dict(H=cfg.num_qk_heads, HV=cfg.num_v_heads, dtype=cfg.dtype, pool_dtype=cfg.pool_dtype,
-                  gate_dtype=cfg.gate_dtype, index_dtype=cfg.index_dtype, use_qk_l2norm=True)
+                  gate_dtype=cfg.gate_dtype, bias_dtype=cfg.bias_dtype or cfg.gate_dtype,
+                  index_dtype=cfg.index_dtype, use_qk_l2norm=True)
     if "decode" in cfg.phases:
         specs.append(("decode", "qla_serving.kernels.decode", "warmup", dict(common, T=1)))
     if "verify" in cfg.phases and cfg.verify_tokens and cfg.verify_tokens > 1:

@@ -69,3 +69,38 @@ def test_warm_up_reports_clean_steps(monkeypatch):
     monkeypatch.setattr(warmup, "kernel_warmup_specs", lambda cfg: [("a", __name__, "fake_warmup", {"cfg": cfg})])
     assert warmup.warm_up(_cfg()) == 1
     assert calls and calls[0]["cfg"].num_v_heads == 8
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_decode_warmup_covers_the_key_a_real_call_uses(monkeypatch, bias_dtype):
+    """Start-up must compile exactly what serving will ask for, or the first request compiles."""
+    from qla_serving.kernels import decode
+
+    keys = []
+    monkeypatch.setattr(decode, "_get_kernel", lambda key: keys.append(key) or (lambda *args: None))
+    cfg = _cfg(num_qk_heads=2, num_v_heads=4, gate_dtype=torch.float32, bias_dtype=bias_dtype, verify_tokens=3)
+    for _, module, _, kwargs in warmup.kernel_warmup_specs(cfg):
+        if module.endswith(".decode"):
+            decode.warmup(**kwargs)
+    warm = set(keys)
+
+    def call_key(N, T, verify):
+        keys.clear()
+        q, k = (torch.randn(N, T, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(N, T, 4, 128, dtype=torch.bfloat16)
+        a, b = (torch.randn(N, T, 4, dtype=torch.bfloat16) for _ in range(2))
+        decode.gated_delta_rule_decode_fwd(
+            q, k, v, a, b, torch.zeros(4), torch.zeros(4, dtype=bias_dtype),
+            state_pool=torch.zeros(8, 4, 128, 128), state_indices=torch.arange(N, dtype=torch.int32), scale=0.1,
+            use_qk_l2norm=True, out=torch.empty(N, T, 4, 128, dtype=torch.bfloat16),
+            intermediate_states=torch.empty(N, T, 4, 128, 128) if verify else None, inplace_final_state=not verify)
+        return keys[0]
+
+    for N in (1, 8, 64):  # small and large batches use different tiles
+        assert call_key(N, 1, verify=False) in warm
+        assert call_key(N, 3, verify=True) in warm
+    if bias_dtype != torch.float32:  # one dtype for both gate parameters would miss the call
+        keys.clear()
+        decode.warmup(2, 4, 1, dtype=torch.bfloat16, pool_dtype=torch.float32, gate_dtype=torch.float32)
+        one_gate_dtype = set(keys)
+        assert call_key(8, 1, verify=False) not in one_gate_dtype

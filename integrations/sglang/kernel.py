@@ -566,6 +566,7 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
         dtype=dtype,
         pool_dtype=pool.dtype,
         gate_dtype=getattr(getattr(layer, "A_log", None), "dtype", torch.float32),
+        bias_dtype=getattr(getattr(layer, "dt_bias", None), "dtype", None),
         draft_tokens=_draft_tokens(model_runner),
     )
     return None

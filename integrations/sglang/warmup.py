@@ -25,6 +25,7 @@ def warmup_specs(
     dtype: torch.dtype,
     pool_dtype: torch.dtype,
     gate_dtype: torch.dtype = torch.float32,
+    bias_dtype: torch.dtype | None = None,
     index_dtype: torch.dtype = torch.int32,
     draft_tokens: int | None = None,
 ) -> list[tuple[str, str, str, dict]]:
@@ -37,7 +38,8 @@ def warmup_specs(
         dtype: activation dtype (q/k/v, decode's a/b). SGLang's prefill gate gives float32
             beta and leaves the q/k L2 norm to the kernel.
         pool_dtype: the ``ssm_states`` pool dtype (``--mamba-ssm-dtype``).
-        gate_dtype: dtype of the layers' ``A_log`` / ``dt_bias``.
+        gate_dtype: dtype of the layers' ``A_log``; bias_dtype: of their ``dt_bias``
+            (None: ``gate_dtype``).
         index_dtype: dtype of SGLang's ``cache_indices`` (int32).
         draft_tokens: speculative draft tokens per request (verify), or None.
     """
@@ -45,7 +47,7 @@ def warmup_specs(
         return []
     return kernel_warmup_specs(WarmupConfig(
         num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, dtype=dtype, pool_dtype=pool_dtype,
-        gate_dtype=gate_dtype, index_dtype=index_dtype, phases=frozenset(phases),
+        gate_dtype=gate_dtype, bias_dtype=bias_dtype, index_dtype=index_dtype, phases=frozenset(phases),
         prefill_beta_dtype=torch.float32, prefill_qk_l2norm=True, verify_tokens=draft_tokens,
     ))
 

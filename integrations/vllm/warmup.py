@@ -64,6 +64,7 @@ def warmup_steps(cfg: StaticConfig, A_log: torch.Tensor, dt_bias: torch.Tensor) 
     # vLLM's fused_post_conv_prep hands the prefill L2-normalised q/k and float32 beta.
     steps = resolve_steps(kernel_warmup_specs(WarmupConfig(
         num_qk_heads=H, num_v_heads=HV, dtype=cfg.dtype, pool_dtype=cfg.state_dtype, gate_dtype=cfg.gate_dtype,
+        bias_dtype=cfg.bias_dtype,
         prefill_beta_dtype=torch.float32, prefill_qk_l2norm=False,
         verify_tokens=cfg.num_spec_tokens + 1 if cfg.num_spec_tokens else None,
     )), logger)
