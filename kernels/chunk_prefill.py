@@ -491,12 +491,16 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
     assert K == HEAD_DIM and V == HEAD_DIM and HV % H == 0 and k.shape == q.shape
     assert out.shape == v.shape and out.dtype == q.dtype
     dev = q.device
+    N = plan.num_seqs
+    if T_ == 0 or N == 0:
+        if N:
+            # Only empty sequences: each final state is its initial state, or zeros without one.
+            idx = state_indices.long()
+            state_pool[idx] = torch.where(has_initial_state.view(-1, 1, 1, 1), state_pool[idx], 0).to(state_pool.dtype)
+        return {}
     cfg = static_config(q, v, beta, state_pool, use_qk_l2norm)
     prep, state, output = _kernel_set(cfg)
-    N = plan.num_seqs
     NC = plan.num_chunks
-    if T_ == 0 or N == 0:
-        return {}
     # Workspaces: the caching allocator serves these without a sync and inside graph capture.
     w = torch.empty(T_, HV, K, dtype=q.dtype, device=dev)
     u = torch.empty(T_, HV, V, dtype=q.dtype, device=dev)

@@ -215,3 +215,29 @@ def test_tilelang_version_mismatch_is_a_fallback_reason(monkeypatch):
     assert backend.tilelang_unsupported_reason() is None
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert "not installed" in backend.tilelang_unsupported_reason()
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_entry_with_only_empty_sequences(pool_dtype):
+    """No tokens at all: slots without an initial state are zeroed, the others keep theirs (no kernel runs)."""
+    from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd
+
+    HV = 4
+    pool = torch.randn(5, HV, 128, 128).to(pool_dtype)
+    before = pool.clone()
+    plan = qla_serving.plan_prefill([0, 0, 0])
+    chunk_gated_delta_rule_fwd(
+        torch.empty(0, 2, 128, dtype=torch.bfloat16), torch.empty(0, 2, 128, dtype=torch.bfloat16),
+        torch.empty(0, HV, 128, dtype=torch.bfloat16), torch.empty(0, HV), torch.empty(0, HV), scale=0.1, plan=plan,
+        state_pool=pool, state_indices=torch.tensor([3, 1], dtype=torch.int32),
+        has_initial_state=torch.tensor([True, False]), use_qk_l2norm=True,
+        out=torch.empty(0, HV, 128, dtype=torch.bfloat16))
+    assert torch.equal(pool[3], before[3]) and not pool[1].any()
+    assert torch.equal(pool[[0, 2, 4]], before[[0, 2, 4]])
+    # The reference path agrees.
+    pool_ref = before.clone()
+    qla_serving.chunk_gated_delta_rule_pool(
+        torch.empty(0, 2, 128), torch.empty(0, 2, 128), torch.empty(0, HV, 128), torch.empty(0, HV),
+        torch.empty(0, HV), pool_ref, torch.tensor([3, 1], dtype=torch.int32), plan=plan,
+        has_initial_state=torch.tensor([True, False]))
+    assert torch.equal(pool_ref, pool)
