@@ -93,3 +93,21 @@ def test_planner_is_deterministic_and_validates_overrides():
     with pytest.raises(ValueError, match="multiples of 64"):
         plan_context_parallel([8192], 8, 132, segment_tokens=1000)
     assert isinstance(plan_context_parallel([8192], 8, 132, segment_tokens=2048), ContextParallelPlan)
+
+
+def test_documented_decision_table_is_the_planners():
+    import pathlib
+
+    from qla_serving.ops.gated_delta_rule.context_parallel import decision_table
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "autocp.md").read_text()
+    assert decision_table() in doc
+
+
+def test_planner_leaves_a_filled_gpu_alone_and_balances_segments():
+    # 64 value heads x 1 sequence = 128 chains on 132 SMs: nearly full, no CP.
+    assert plan_context_parallel([32768], 64, 132) is None
+    cp = plan_context_parallel([24576, 8192], 8, 132)
+    starts = cp.segments[0]
+    lengths = [b - a for a, b in zip(starts, starts[1:] + (24576,))]
+    assert max(lengths) - min(lengths) <= 64 and cp.segments[1] != (0,)

@@ -80,9 +80,17 @@ def plan_context_parallel(
     min_cp_tokens: int = 4096,
     min_segment_tokens: int = 1024,
     warmup_tokens: int = 256,
+    max_fill: float = 0.5,
     segment_tokens: int | None = None,
 ) -> ContextParallelPlan | None:
     """Decide whether and how to split long sequences; None means no CP.
+
+    The state pass has one chain per (sequence, value head, V block). CP is planned only when
+    those chains fill at most ``max_fill`` of the SMs (past that, the warm-up or the exact
+    transitions cost more than the idle SMs give back) and some sequence has at least
+    ``min_cp_tokens`` tokens. Each such sequence is cut into ``P`` equal segments (multiples
+    of 64 tokens, at least ``min_segment_tokens``), ``P`` chosen so the chains come near one
+    per SM.
 
     Args:
         seq_lens: token count of each sequence.
@@ -90,30 +98,34 @@ def plan_context_parallel(
         sm_count: multiprocessors of the GPU.
         v_blocks_per_head: state-kernel blocks per (sequence, head), from the kernel config.
         min_cp_tokens: only sequences at least this long are split.
-        min_segment_tokens: shortest segment (bounds the warm-up overhead).
+        min_segment_tokens: shortest segment (bounds the warm-up overhead to W / segment).
         warmup_tokens: warm-up window ``W``.
-        segment_tokens: an override for experiments; None plans it.
+        max_fill: plan CP only while chains <= max_fill * sm_count.
+        segment_tokens: an override for experiments (uniform segments of this length).
     """
-    chains = sum(1 for L in seq_lens if L > 0) * num_v_heads * v_blocks_per_head
-    long_tokens = [L for L in seq_lens if L >= min_cp_tokens]
-    if segment_tokens is None:
-        if chains >= sm_count or not long_tokens:
-            return None
-        # Chains after splitting ~ sum(L / S) * HV * vb + the short sequences' chains ~ sm_count.
-        short_chains = chains - len(long_tokens) * num_v_heads * v_blocks_per_head
-        room = max(sm_count - short_chains, 1)
-        seg = sum(long_tokens) * num_v_heads * v_blocks_per_head / room
-        segment_tokens = max(min_segment_tokens, CHUNK_SIZE * math.ceil(seg / CHUNK_SIZE))
-    if segment_tokens % CHUNK_SIZE or warmup_tokens % CHUNK_SIZE:
+    if warmup_tokens % CHUNK_SIZE or (segment_tokens is not None and segment_tokens % CHUNK_SIZE):
         raise ValueError(f"segment_tokens={segment_tokens} and warmup_tokens={warmup_tokens} must be multiples "
                          f"of {CHUNK_SIZE}")
-    segs = tuple(
-        tuple(range(0, L, segment_tokens)) if L >= min_cp_tokens or L > segment_tokens else (0,)
-        for L in seq_lens
-    )
+    per_seq = num_v_heads * v_blocks_per_head
+    chains = sum(1 for L in seq_lens if L > 0) * per_seq
+    long_seqs = [L >= min_cp_tokens for L in seq_lens]
+    if segment_tokens is not None:
+        segs = tuple(tuple(range(0, L, segment_tokens)) if L > segment_tokens else (0,) for L in seq_lens)
+    else:
+        if chains > max_fill * sm_count or not any(long_seqs):
+            return None
+        room = sm_count - (chains - sum(long_seqs) * per_seq)
+        parts = max(1, room // (sum(long_seqs) * per_seq))
+        segs = []
+        for L, is_long in zip(seq_lens, long_seqs):
+            p = min(parts, L // min_segment_tokens) if is_long else 1
+            seg = CHUNK_SIZE * math.ceil(L / max(p, 1) / CHUNK_SIZE)
+            segs.append(tuple(range(0, L, seg)) if p > 1 else (0,))
+        segs = tuple(segs)
     if all(len(s) == 1 for s in segs):
         return None
-    return ContextParallelPlan(segment_tokens, warmup_tokens, segs)
+    longest = max((b - a) for s, L in zip(segs, seq_lens) for a, b in zip(s, s[1:] + (L,)))
+    return ContextParallelPlan(segment_tokens or longest, warmup_tokens, segs)
 
 
 def chunk_gated_delta_rule_cp_ref(
@@ -179,3 +191,24 @@ def chunk_gated_delta_rule_cp_ref(
         finals.append(h_end.transpose(-1, -2))
         modes.append(used)
     return o, torch.stack(finals), modes
+
+
+# The prefill benchmark's grid (issue #3): value heads per GPU and batch compositions.
+GRID_HEADS = (8, 16, 24, 32, 48, 64)
+GRID_BATCHES = {
+    "1x32768": [32768], "1x8192": [8192], "1x2048": [2048],
+    "24576+8192": [24576, 8192], "8x4096": [4096] * 8, "8x1024": [1024] * 8,
+}
+
+
+def decision_table(sm_count: int = 132, v_blocks_per_head: int = 2) -> str:
+    """The planner's decisions over the benchmark grid as a markdown table (docs/autocp.md)."""
+    lines = ["| value heads | " + " | ".join(GRID_BATCHES) + " |", "|---|" + "---|" * len(GRID_BATCHES)]
+    for hv in GRID_HEADS:
+        cells = []
+        for lens in GRID_BATCHES.values():
+            cp = plan_context_parallel(lens, hv, sm_count, v_blocks_per_head=v_blocks_per_head)
+            cells.append("–" if cp is None else
+                         f"{cp.segment_tokens} x {max(len(s) for s in cp.segments)}, warm-up {cp.warmup_tokens}")
+        lines.append(f"| {hv} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
