@@ -1,0 +1,685 @@
+"""GPU acceptance run of the vLLM plugin: offline vLLM on a tiny Qwen3.5-shaped model.
+
+For each GDN prefill backend (``triton``, ``flashinfer``, ``flashqla``) and each prefix-caching
+setting, a fresh subprocess builds ``vllm.LLM`` on a Qwen3.5-shaped config with dummy weights
+(no download, no tokenizer: prompts are token ids) and measures
+
+* agreement: ``--num-prompts`` prompts of mixed lengths x ``--max-tokens`` greedy tokens; the
+  metric is, per run, the sum over prompts of the tokens generated before the first token that
+  differs from the reference run (``triton``, prefix caching off);
+* prefill-heavy throughput: ``--tp-prompts`` prompts x ``--tp-len`` tokens, ``max_tokens=1``,
+  prompt tokens per second, cold (the first generate call of the process) and warm (a second
+  call on different prompts of the same shape, so prefix caching cannot hit).
+
+For ``flashqla`` the subprocess runs with ``QLA_STRICT=1`` (a fallback is an error), counts the
+plugin's op calls, reads the kernel compile counters before and after the measured runs, and
+fails (exit 3) if the ops did not run, anything compiled while serving, or a fallback was logged.
+
+Results: ``<date>-<gpu>-vllm-offline.json`` (``{"meta", "rows"}`` as in
+``qla_serving.bench.common``), a markdown table beside it and the generated token ids
+(``...-tokens.json``), under ``--out-dir``. Raw per-run results stay in ``--work-dir`` so a
+run split over several commands can be resumed (``--reuse``) and aggregated at the end.
+
+``--dry-run`` needs no GPU: it writes the model config, has vLLM's own config machinery accept
+it for every backend and setting (``EngineArgs(...).create_engine_config()``), builds the
+prompt sets and runs the aggregation on synthetic outputs.
+
+    python e2e_bench/vllm_offline.py --out-dir "$OUT"            # on an H100/H200
+    python e2e_bench/vllm_offline.py --dry-run --out-dir /tmp/x  # anywhere with vLLM
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import os
+import pathlib
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+BACKENDS = ("triton", "flashinfer", "flashqla")
+REFERENCE = ("triton", "off")  # (backend, prefix caching) every run is compared with
+QLA_BACKEND = "flashqla"
+EXIT_QLA_CHECK = 3
+
+# ----------------------------------------------------------------------------- model config
+
+
+def model_config(num_layers: int = 8, linear_v_heads: int = 32, hidden: int = 1024, vocab: int = 8192,
+                 max_positions: int = 16384) -> dict:
+    """The config.json of a small Qwen3.5-shaped model (``Qwen3_5ForConditionalGeneration``).
+
+    The GDN layers have the production head layout (16 q/k heads, ``linear_v_heads`` value
+    heads, head dims 128); every fourth layer is full attention (head dim 256, partial M-RoPE as
+    in Qwen3.5). Hidden size, MLP and vocabulary are small. vLLM serves only the language model
+    (``language_model_only=True``); the vision tower is the smallest transformers accepts.
+    """
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    text = {
+        "model_type": "qwen3_5_text",
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+        "num_hidden_layers": num_layers, "layer_types": layer_types,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": linear_v_heads,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": max_positions,
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        "bos_token_id": None, "eos_token_id": vocab - 1, "pad_token_id": None, "dtype": "bfloat16",
+    }
+    vision = {
+        "model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 64, "num_heads": 2,
+        "intermediate_size": 128, "out_hidden_size": hidden, "patch_size": 16,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+    }
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": text, "vision_config": vision, "tie_word_embeddings": False,
+        # Special ids at the top of the small vocabulary; prompts never use them.
+        "image_token_id": vocab - 4, "video_token_id": vocab - 3,
+        "vision_start_token_id": vocab - 6, "vision_end_token_id": vocab - 5,
+    }
+
+
+def write_model(directory: str | os.PathLike, **shape) -> str:
+    """Write ``config.json`` (and nothing else: dummy weights, no tokenizer) into ``directory``."""
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config(**shape), indent=1) + "\n")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+PROMPT_ID_LIMIT = 16  # prompts use ids in [0, vocab - PROMPT_ID_LIMIT): no special ids
+
+
+def agreement_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of random token ids with lengths spread over ``[min_len, max_len]``.
+
+    Lengths are log-spaced with jitter (short and long prompts both present, the extremes
+    included). Every second prompt of the second half repeats the first 1024 tokens of a
+    first-half prompt (where both are long enough), so prefix caching has prefixes to hit.
+    """
+    rng = random.Random(seed)
+    hi = vocab - PROMPT_ID_LIMIT
+    lengths = []
+    for i in range(n):
+        if n == 1:
+            lengths.append(max_len)
+            continue
+        base = min_len * (max_len / min_len) ** (i / (n - 1))
+        jitter = 1.0 if i in (0, n - 1) else rng.uniform(0.85, 1.15)
+        lengths.append(max(min_len, min(max_len, round(base * jitter))))
+    rng.shuffle(lengths)
+    prompts = [[rng.randrange(hi) for _ in range(length)] for length in lengths]
+    half = n // 2
+    for j in range(half, n, 2):
+        src = prompts[j - half]
+        shared = min(1024, len(src), len(prompts[j]) - 1)
+        if shared >= 256:
+            prompts[j][:shared] = src[:shared]
+    return prompts
+
+
+def throughput_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    hi = vocab - PROMPT_ID_LIMIT
+    return [[rng.randrange(hi) for _ in range(length)] for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------- metric
+
+
+def agreeing_prefix(ref: list[int], out: list[int]) -> int:
+    """Tokens of ``out`` before the first position where it differs from ``ref``.
+
+    A divergence at position 5 (0-based) counts 5; identical lists count their length; a shorter
+    list that agrees with the other as far as it goes counts its own length.
+    """
+    n = 0
+    for a, b in zip(ref, out):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def agreement(ref: list[list[int]], out: list[list[int]]) -> dict:
+    """The agreement of one run with the reference run, prompt by prompt.
+
+    Returns ``agree_tokens`` (the metric: the sum over prompts of :func:`agreeing_prefix`),
+    ``total_tokens`` (the reference's generated tokens), ``agree_frac``, ``exact_prompts``
+    (prompts identical to the reference) and ``first_divergence`` (per prompt, the position of
+    the first differing token, ``None`` where the prompt agrees throughout).
+    """
+    if len(ref) != len(out):
+        raise ValueError(f"{len(out)} outputs against {len(ref)} reference outputs")
+    prefixes = [agreeing_prefix(r, o) for r, o in zip(ref, out)]
+    total = sum(len(r) for r in ref)
+    same = [p == len(r) == len(o) for p, r, o in zip(prefixes, ref, out)]
+    return {
+        "agree_tokens": sum(prefixes),
+        "total_tokens": total,
+        "agree_frac": round(sum(prefixes) / total, 4) if total else 1.0,
+        "exact_prompts": sum(same),
+        "prompts": len(ref),
+        "first_divergence": [None if s else p for s, p in zip(same, prefixes)],
+    }
+
+
+def run_label(backend: str, prefix_caching: str) -> str:
+    return f"{backend}-pc{prefix_caching}"
+
+
+def aggregate(results: list[dict], reference: tuple[str, str] = REFERENCE) -> list[dict]:
+    """Result rows from the raw per-run results (one dict per worker subprocess).
+
+    A raw result holds ``backend``, ``prefix_caching`` ("on"/"off"), ``ok``, ``init_s``,
+    ``agreement`` (``{pass name: [token ids per prompt]}``), ``throughput``
+    (``{"cold"|"warm": {"tokens", "s"}}``) and, for flashqla, ``qla`` (the counters). Agreement
+    rows compare every pass of every run with the reference run's first pass.
+    """
+    by_run = {(r["backend"], r["prefix_caching"]): r for r in results}
+    ref_run = by_run.get(reference)
+    ref = None
+    if ref_run is not None and ref_run.get("agreement"):
+        ref = next(iter(ref_run["agreement"].values()))
+    rows: list[dict] = []
+    for r in results:
+        mode = f"pc-{r['prefix_caching']}"
+        base = {"impl": r["backend"], "mode": mode}
+        engine = {"op": "vllm-engine", **base, "ok": r.get("ok", False), "init_s": r.get("init_s"),
+                  "error": r.get("error")}
+        if "qla" in r:
+            engine["qla"] = r["qla"]
+        rows.append(engine)
+        for name, outs in (r.get("agreement") or {}).items():
+            row = {"op": "vllm-agreement", **base, "pass": name}
+            if ref is None:
+                row["error"] = f"no reference run ({run_label(*reference)})"
+            else:
+                row.update(agreement(ref, outs))
+            rows.append(row)
+        for phase, t in (r.get("throughput") or {}).items():
+            rows.append({"op": "vllm-prefill", **base, "phase": phase, "prompts": t["prompts"],
+                         "prompt_len": t["prompt_len"], "s": round(t["s"], 4),
+                         "tokens_per_s": round(t["tokens"] / t["s"], 1) if t["s"] > 0 else None})
+    return rows
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"# vLLM offline acceptance ({meta.get('date', '')})", "",
+             f"- GPU: {meta.get('gpu')}", f"- command: `{meta.get('command')}`",
+             f"- versions: {', '.join(f'{k} {v}' for k, v in meta.get('versions', {}).items())}",
+             f"- model: {meta.get('model', {}).get('summary', '')}",
+             (f"- reference: {run_label(*REFERENCE)}, first pass; agreement = tokens generated before the "
+             "first divergence, summed over prompts"), ""]
+    agree = [r for r in rows if r["op"] == "vllm-agreement"]
+    if agree:
+        lines += ["## Agreement", "", "| backend | prefix caching | pass | agree tokens | of | fraction | exact prompts |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in agree:
+            if "error" in r:
+                lines.append(f"| {r['impl']} | {r['mode']} | {r['pass']} | – | – | – | {r['error']} |")
+            else:
+                lines.append(f"| {r['impl']} | {r['mode']} | {r['pass']} | {r['agree_tokens']} | {r['total_tokens']} "
+                             f"| {r['agree_frac']:.3f} | {r['exact_prompts']}/{r['prompts']} |")
+        lines.append("")
+    tput = [r for r in rows if r["op"] == "vllm-prefill"]
+    if tput:
+        lines += ["## Prefill-heavy throughput (prompt tokens/s, max_tokens=1)", "",
+                  "| backend | prefix caching | phase | prompts x len | s | tokens/s |", "|---|---|---|---|---|---|"]
+        for r in tput:
+            tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "–"
+            lines.append(f"| {r['impl']} | {r['mode']} | {r['phase']} | {r['prompts']} x {r['prompt_len']} "
+                         f"| {r['s']:.3f} | {tps} |")
+        lines.append("")
+    eng = [r for r in rows if r["op"] == "vllm-engine"]
+    lines += ["## Engines", "", "| backend | prefix caching | ok | init s | notes |", "|---|---|---|---|---|"]
+    for r in eng:
+        note = r.get("error") or ""
+        if "qla" in r:
+            q = r["qla"]
+            note = (f"qla prefill calls {q.get('prefill_calls')}, decode calls {q.get('decode_calls')} "
+                    f"(measured {q.get('measured_prefill_calls')}/{q.get('measured_decode_calls')}), "
+                    f"prefill configs built {q.get('prefill_compiles_before')}->{q.get('prefill_compiles_after')}, "
+                    f"decode kernels {q.get('decode_kernels_before')}->{q.get('decode_kernels_after')}, "
+                    f"fallback warnings {len(q.get('fallback_warnings', []))}; " + note)
+        init = f"{r['init_s']:.1f}" if r.get("init_s") is not None else "–"
+        lines.append(f"| {r['impl']} | {r['mode']} | {r['ok']} | {init} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- engine arguments
+
+
+def llm_kwargs(model_dir: str, backend: str, prefix_caching: bool, *, enforce_eager: bool, seed: int,
+               max_model_len: int, gpu_memory_utilization: float = 0.85) -> dict:
+    """The ``vllm.LLM`` / ``EngineArgs`` keyword arguments of one run.
+
+    ``gdn_prefill_backend`` is vLLM's own engine field (what ``--gdn-prefill-backend`` and the
+    plugin's ``--linear-attn-backend`` write); ``create_engine_config`` copies it into
+    ``additional_config["gdn_prefill_backend"]``, where vLLM and the plugin read it.
+    """
+    return {
+        "model": model_dir, "load_format": "dummy", "skip_tokenizer_init": True, "language_model_only": True,
+        "dtype": "bfloat16", "seed": seed, "enforce_eager": enforce_eager, "enable_prefix_caching": prefix_caching,
+        "max_model_len": max_model_len, "gdn_prefill_backend": backend,
+        "gpu_memory_utilization": gpu_memory_utilization,
+    }
+
+
+def _select_cpu_platform() -> None:
+    """On a machine without a GPU, make vLLM resolve its CPU platform (dry run only).
+
+    The CUDA build of vLLM finds no platform without a GPU; vLLM's seam for choosing one is a
+    ``vllm.platform_plugins`` entry point. This writes one into a private metadata directory on
+    ``sys.path`` before vLLM resolves its platform. Nothing is installed. Does nothing when a
+    GPU is present or vLLM's platform is already resolved (a test process that chose it).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    platforms = sys.modules.get("vllm.platforms")
+    if platforms is not None and getattr(platforms, "_current_platform", None) is not None:
+        return
+    root = tempfile.mkdtemp(prefix="qla_vllm_offline_platform_")
+    info = os.path.join(root, "qla_vllm_offline_cpu-0.0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: qla-vllm-offline-cpu\nVersion: 0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.platform_plugins]\nqla_offline_cpu = qla_vllm_offline_platform:cpu_platform\n")
+    with open(os.path.join(root, "qla_vllm_offline_platform.py"), "w") as f:
+        f.write("def cpu_platform():\n    return 'vllm.platforms.cpu.CpuPlatform'\n")
+    sys.path.insert(0, root)
+
+
+def check_engine_config(kwargs: dict):
+    """vLLM's ``EngineArgs(**kwargs).create_engine_config()`` (its config machinery, no engine).
+
+    Returns the ``VllmConfig``; raises whatever vLLM raises for a config it does not accept.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(**kwargs).create_engine_config()
+
+
+def plugin_config_reason(vllm_config) -> str | None:
+    """Why qla-serving's kernels could not run the GDN layers of ``vllm_config``'s model (the
+    model-side limits only: head dims and activation dtype; the device is checked on the GPU)."""
+    from qla_serving.backend import config_unsupported_reason
+
+    text = vllm_config.model_config.hf_text_config
+    return config_unsupported_reason(text.linear_key_head_dim, text.linear_value_head_dim,
+                                     vllm_config.model_config.dtype)
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+class _WarningLog(logging.Handler):
+    """Collects warnings of the plugin's and the ops' loggers (a fallback is one)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "fall" in msg.lower() or "reference" in msg.lower() or "cannot run" in msg.lower():
+            self.messages.append(msg)
+
+
+def _count_ops(counts: dict) -> None:
+    """Wrap the two ops the plugin's layer calls (``qla_serving.<op>``, looked up at call time)."""
+    import qla_serving
+
+    for key, name in (("prefill_calls", "chunk_gated_delta_rule_pool"), ("decode_calls", "gated_delta_rule_decode")):
+        inner = getattr(qla_serving, name)
+
+        def counted(*a, _inner=inner, _key=key, **kw):
+            counts[_key] += 1
+            return _inner(*a, **kw)
+
+        setattr(qla_serving, name, counted)
+
+
+def _kernel_counters() -> dict:
+    from qla_serving.kernels import chunk_prefill, decode
+
+    return {"prefill": chunk_prefill.compile_count(), "decode": decode.compiled_kernels()}
+
+
+def _generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    import torch
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
+
+
+def worker(spec: dict) -> int:
+    """One engine in this process: throughput cold, throughput warm, agreement; writes spec['out']."""
+    backend, pc = spec["backend"], spec["prefix_caching"]
+    is_qla = backend == QLA_BACKEND
+    result: dict = {"backend": backend, "prefix_caching": pc, "ok": False}
+    out = pathlib.Path(spec["out"])
+    counts = {"prefill_calls": 0, "decode_calls": 0}
+    warnings = _WarningLog()
+    for name in ("vllm.qla_serving", "qla_serving"):
+        logging.getLogger(name).addHandler(warnings)
+    try:
+        if is_qla:
+            _count_ops(counts)
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        llm = LLM(**spec["llm_kwargs"])
+        result["init_s"] = time.perf_counter() - t0
+        if is_qla:
+            before = _kernel_counters()
+            calls_before = dict(counts)
+        tp = spec["throughput"]
+        result["throughput"] = {}
+        for phase, prompts in (("cold", tp["cold"]), ("warm", tp["warm"])):
+            _, s = _generate(llm, prompts, 1)
+            result["throughput"][phase] = {"tokens": sum(map(len, prompts)), "s": s, "prompts": len(prompts),
+                                           "prompt_len": len(prompts[0])}
+            print(f"[{run_label(backend, pc)}] throughput {phase}: {result['throughput'][phase]['tokens'] / s:.0f} tok/s",
+                  flush=True)
+        result["agreement"] = {}
+        for k in range(spec["agreement_passes"]):
+            toks, s = _generate(llm, spec["agreement_prompts"], spec["max_tokens"])
+            result["agreement"][f"pass{k + 1}"] = toks
+            print(f"[{run_label(backend, pc)}] agreement pass {k + 1}: {s:.2f} s", flush=True)
+        result["ok"] = True
+        if is_qla:
+            after = _kernel_counters()
+            q = {
+                "prefill_calls": counts["prefill_calls"], "decode_calls": counts["decode_calls"],
+                "measured_prefill_calls": counts["prefill_calls"] - calls_before["prefill_calls"],
+                "measured_decode_calls": counts["decode_calls"] - calls_before["decode_calls"],
+                "prefill_compiles_before": before["prefill"], "prefill_compiles_after": after["prefill"],
+                "decode_kernels_before": before["decode"], "decode_kernels_after": after["decode"],
+                "fallback_warnings": warnings.messages, "strict": os.environ.get("QLA_STRICT"),
+            }
+            result["qla"] = q
+            problems = qla_problems(q)
+            if problems:
+                result["ok"] = False
+                result["error"] = "flashqla check failed: " + "; ".join(problems)
+    except BaseException as e:  # noqa: BLE001 - recorded, then the exit status says it failed
+        result["error"] = f"{type(e).__name__}: {e}"
+        import traceback
+
+        traceback.print_exc()
+    out.write_text(json.dumps(result) + "\n")
+    print(f"[{run_label(backend, pc)}] {'ok' if result['ok'] else 'FAILED: ' + result.get('error', '')}", flush=True)
+    if result["ok"]:
+        return 0
+    return EXIT_QLA_CHECK if "flashqla check failed" in result.get("error", "") else 1
+
+
+def qla_problems(q: dict) -> list[str]:
+    """Why a flashqla run does not show the kernels serving (empty when it does)."""
+    problems = []
+    if q["measured_prefill_calls"] <= 0:
+        problems.append("the prefill op never ran during the measured runs")
+    if q["decode_calls"] <= 0:
+        problems.append("the decode op never ran (not even at CUDA-graph capture)")
+    if q["prefill_compiles_after"] <= 0 and q["decode_kernels_after"] <= 0:
+        problems.append("no kernel was ever built or loaded")
+    if q["prefill_compiles_after"] != q["prefill_compiles_before"]:
+        problems.append(f"prefill kernels compiled while serving ({q['prefill_compiles_before']} -> "
+                        f"{q['prefill_compiles_after']})")
+    if q["decode_kernels_after"] != q["decode_kernels_before"]:
+        problems.append(f"decode kernels compiled while serving ({q['decode_kernels_before']} -> "
+                        f"{q['decode_kernels_after']})")
+    if q["fallback_warnings"]:
+        problems.append(f"fallback logged: {q['fallback_warnings'][0]}")
+    return problems
+
+
+# ----------------------------------------------------------------------------- the parent
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), help="GDN prefill backends (default: %(default)s)")
+    p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="both")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    p.add_argument("--out-dir", default=None, help="results folder (default e2e_bench/results)")
+    p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "qla-vllm-offline"),
+                   help="model config and raw per-run results (default: %(default)s)")
+    p.add_argument("--reuse", action="store_true", help="skip runs whose raw result in --work-dir is ok")
+    p.add_argument("--aggregate-only", action="store_true", help="run nothing; aggregate the raw results")
+    p.add_argument("--dry-run", action="store_true", help="no GPU: config check, prompts, synthetic aggregation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--min-len", type=int, default=17)
+    p.add_argument("--max-len", type=int, default=3000)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--tp-prompts", type=int, default=16)
+    p.add_argument("--tp-len", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--linear-v-heads", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--timeout", type=int, default=300, help="seconds per worker subprocess (default: %(default)s)")
+    p.add_argument("--budget", type=int, default=0,
+                   help="seconds this command may take (0: no limit); a run that cannot get 120 s is left "
+                        "for a later command with --reuse, and the results written cover the runs done")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _pc_modes(arg: str) -> list[str]:
+    return ["off", "on"] if arg == "both" else [arg]
+
+
+def _shape(args) -> dict:
+    return {"num_layers": args.layers, "linear_v_heads": args.linear_v_heads, "hidden": args.hidden, "vocab": args.vocab,
+                "max_positions": max(16384, args.tp_len + 512)}
+
+
+def _max_model_len(args) -> int:
+    return max(args.tp_len, args.max_len) + args.max_tokens + 64
+
+
+def _meta(args, argv, gpu: str | None) -> dict:
+    from qla_serving.bench.common import library_versions
+
+    cfg = model_config(**_shape(args))["text_config"]
+    meta = {
+        "gpu": gpu or "none (dry run)",
+        "versions": library_versions(),
+        "command": " ".join(shlex.quote(a) for a in ["python", "e2e_bench/vllm_offline.py", *argv]),
+        "date": _dt.date.today().isoformat(),
+        "model": {
+            "summary": (f"Qwen3.5-shaped, {cfg['num_hidden_layers']} layers ({cfg['layer_types'].count('linear_attention')} GDN), "
+                        f"GDN {cfg['linear_num_key_heads']} q/k x {cfg['linear_num_value_heads']} v heads of 128, "
+                        f"hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}, dummy weights, bf16"),
+            "config": cfg,
+        },
+        "settings": {"enforce_eager": args.enforce_eager, "seed": args.seed, "num_prompts": args.num_prompts,
+                     "prompt_lens": [args.min_len, args.max_len], "max_tokens": args.max_tokens,
+                     "throughput": [args.tp_prompts, args.tp_len], "max_model_len": _max_model_len(args)},
+    }
+    if gpu:
+        try:
+            import torch
+
+            props = torch.cuda.get_device_properties(0)
+            meta["sm_count"] = props.multi_processor_count
+        except Exception as e:  # noqa: BLE001 - metadata only
+            meta["sm_count"] = f"unknown ({e})"
+    return meta
+
+
+def write_outputs(out_dir: str | os.PathLike, meta: dict, rows: list[dict], tokens: dict) -> pathlib.Path:
+    """``<date>-<gpu>-vllm-offline.json`` (+ ``.md``, + ``-tokens.json``) under ``out_dir``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", meta["gpu"].lower()).strip("-")
+    directory = pathlib.Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{meta['date']}-{slug}-vllm-offline.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown(meta, rows))
+    path.with_name(path.stem + "-tokens.json").write_text(json.dumps(tokens) + "\n")
+    return path
+
+
+def _synthetic_results(backends, modes, prompts, max_tokens, tp) -> list[dict]:
+    """Made-up worker results for the dry run: the reference agrees with itself, the others
+    diverge at a known position on some prompts."""
+    rng = random.Random(1)
+    ref = [[rng.randrange(1000) for _ in range(max_tokens)] for _ in prompts]
+    results = []
+    for bi, b in enumerate(backends):
+        for pc in modes:
+            passes = {}
+            for k in range(2 if pc == "on" else 1):
+                outs = [list(r) for r in ref]
+                if (b, pc) != REFERENCE:
+                    outs[bi % len(outs)][max_tokens // 2] += 1  # one divergence at max_tokens // 2
+                passes[f"pass{k + 1}"] = outs
+            results.append({"backend": b, "prefix_caching": pc, "ok": True, "init_s": 0.0, "agreement": passes,
+                            "throughput": {ph: {"tokens": tp[0] * tp[1], "s": 1.0 + bi, "prompts": tp[0],
+                                                "prompt_len": tp[1]} for ph in ("cold", "warm")}})
+    return results
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.worker:
+        return worker(json.loads(pathlib.Path(args.worker).read_text()))
+
+    out_dir = args.out_dir or str(pathlib.Path(__file__).resolve().parent / "results")
+    work = pathlib.Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = write_model(work / "model", **_shape(args))
+    modes = _pc_modes(args.prefix_caching)
+    runs = [(b, pc) for b in args.backends for pc in modes]
+    prompts = agreement_prompts(args.num_prompts, args.min_len, args.max_len, args.vocab, args.seed)
+    tp = {"cold": throughput_prompts(args.tp_prompts, args.tp_len, args.vocab, args.seed + 1),
+          "warm": throughput_prompts(args.tp_prompts, args.tp_len, args.vocab, args.seed + 2)}
+
+    def kwargs_of(backend, pc):
+        return llm_kwargs(model_dir, backend, pc == "on", enforce_eager=args.enforce_eager, seed=args.seed,
+                          max_model_len=_max_model_len(args), gpu_memory_utilization=args.gpu_memory_utilization)
+
+    if args.dry_run:
+        _select_cpu_platform()
+        checked = {}
+        for b, pc in runs:
+            cfg = check_engine_config(kwargs_of(b, pc))
+            checked[run_label(b, pc)] = {
+                "gdn_prefill_backend": cfg.additional_config.get("gdn_prefill_backend"),
+                "architecture": cfg.model_config.architecture,
+                "prefix_caching": cfg.cache_config.enable_prefix_caching,
+                "mamba_cache_mode": str(getattr(cfg.cache_config, "mamba_cache_mode", None)),
+            }
+            print(f"[dry-run] {run_label(b, pc)}: vLLM accepts the config: {checked[run_label(b, pc)]}")
+            if b == QLA_BACKEND:
+                reason = plugin_config_reason(cfg)
+                if reason is not None:
+                    raise SystemExit(f"[dry-run] the plugin would not run this model's GDN layers: {reason}")
+        results = _synthetic_results(args.backends, modes, prompts, args.max_tokens, (args.tp_prompts, args.tp_len))
+        meta = _meta(args, argv, None)
+        meta["dry_run"] = {"engine_configs": checked,
+                           "prompt_lens": [len(p) for p in prompts]}
+        rows = aggregate(results)
+        path = write_outputs(out_dir, meta, rows, {run_label(r["backend"], r["prefix_caching"]): r["agreement"]
+                                                   for r in results})
+        print(f"[dry-run] wrote {path} (synthetic outputs)")
+        return 0
+
+    failed = []
+    start = time.perf_counter()
+    if not args.aggregate_only:
+        for b, pc in runs:
+            raw = work / f"{run_label(b, pc)}.json"
+            if args.reuse and raw.exists() and json.loads(raw.read_text()).get("ok"):
+                print(f"[{run_label(b, pc)}] reusing {raw}")
+                continue
+            timeout = args.timeout
+            if args.budget:
+                left = args.budget - (time.perf_counter() - start) - 20  # 20 s kept for the results
+                if left < 120:
+                    print(f"[{run_label(b, pc)}] not started: {left:.0f} s of --budget left; run again with --reuse",
+                          flush=True)
+                    continue
+                timeout = int(min(timeout, left))
+            raw.unlink(missing_ok=True)
+            spec = {"backend": b, "prefix_caching": pc, "out": str(raw), "llm_kwargs": kwargs_of(b, pc),
+                    "agreement_prompts": prompts, "max_tokens": args.max_tokens, "throughput": tp,
+                    # With prefix caching a second pass runs the same prompts from the cache.
+                    "agreement_passes": 2 if pc == "on" else 1}
+            spec_path = work / f"{run_label(b, pc)}-spec.json"
+            spec_path.write_text(json.dumps(spec))
+            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
+            if b == QLA_BACKEND:
+                env["QLA_STRICT"] = "1"
+            print(f"[{run_label(b, pc)}] starting", flush=True)
+            t0 = time.perf_counter()
+            # Its own process group, so a timeout ends the worker and anything it started.
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(spec_path)],
+                                    env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = 124
+                raw.write_text(json.dumps({"backend": b, "prefix_caching": pc, "ok": False,
+                                           "error": f"timed out after {timeout} s"}) + "\n")
+            print(f"[{run_label(b, pc)}] exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
+            if not raw.exists():
+                raw.write_text(json.dumps({"backend": b, "prefix_caching": pc, "ok": False,
+                                           "error": f"worker exited {rc} without a result"}) + "\n")
+
+    results = []
+    for b, pc in runs:
+        raw = work / f"{run_label(b, pc)}.json"
+        if raw.exists():
+            r = json.loads(raw.read_text())
+            results.append(r)
+            if not r.get("ok"):
+                failed.append(f"{run_label(b, pc)}: {r.get('error')}")
+        else:
+            failed.append(f"{run_label(b, pc)}: no result in {work}")
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown-gpu"
+    meta = _meta(args, argv, gpu)
+    rows = aggregate(results)
+    path = write_outputs(out_dir, meta, rows, {run_label(r["backend"], r["prefix_caching"]): r.get("agreement")
+                                               for r in results})
+    print(path.with_suffix(".md").read_text())
+    print(f"wrote {path}")
+    if failed:
+        print("FAILED runs:\n  " + "\n  ".join(failed), file=sys.stderr)
+        qla_failed = any(f.startswith(QLA_BACKEND) and "flashqla check failed" in f for f in failed)
+        return EXIT_QLA_CHECK if qla_failed else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
