@@ -326,15 +326,17 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
 
     @staticmethod
     def _chunk_start_rows(plan: PrefillPlan) -> torch.Tensor:
-        """For every chunk of the batch (in order), the row of ``states`` entering it."""
+        """For every chunk of the batch (in order), the row of ``states`` entering it.
+
+        Chunk 0 of sequence i starts from row i (its initial state); chunk c >= 1 from
+        checkpoint c - 1 of the sequence. Derived on the device from the plan's own
+        ``(sequence, chunk within sequence)`` table, once per plan.
+        """
         cached = plan.extras.get("sglang_chunk_start_rows")
         if cached is None:
-            N = plan.num_seqs
-            chunks = plan.chunk_offsets_cpu.diff().long()
-            seq = torch.repeat_interleave(torch.arange(N), chunks)
-            within = torch.arange(seq.numel()) - plan.chunk_offsets_cpu[:-1].long()[seq]
-            ckpt = N + plan.checkpoint_offsets_cpu[:-1].long()[seq] + within - 1
-            cached = torch.where(within > 0, ckpt, seq).to(plan.device)
+            seq, within = plan.chunk_indices[:, 0].long(), plan.chunk_indices[:, 1].long()
+            ckpt = plan.num_seqs + plan.checkpoint_offsets.long()[seq] + within - 1
+            cached = torch.where(within > 0, ckpt, seq)
             plan.extras["sglang_chunk_start_rows"] = cached
         return cached
 

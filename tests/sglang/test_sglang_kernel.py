@@ -451,3 +451,18 @@ def test_sglang_dispatcher_routes_calls_to_our_kernel(publish_args, build_dispat
         retrieve_parent_token=None,
     )
     assert o.shape == v.shape and torch.equal(pool_a, before) and buffer[:N].abs().sum() > 0
+
+
+def test_chunk_start_rows_point_at_each_chunks_entering_state():
+    """Row i: sequence i's initial state; then its checkpoints after every 64 tokens, in order."""
+    from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel
+    from qla_serving.plan import plan_prefill
+
+    lengths = [130, 64, 1, 200]
+    plan = plan_prefill(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]), checkpoint_every=64)
+    expected, ckpt_row = [], len(lengths)
+    for i, L in enumerate(lengths):
+        chunks = (L + 63) // 64
+        expected += [i] + [ckpt_row + c for c in range(chunks - 1)]
+        ckpt_row += L // 64
+    assert FlashQLAGDNKernel._chunk_start_rows(plan).tolist() == expected
