@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import backend
+from .bench.common import parse_heads
 from .ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
 from .ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_decode_ref, recurrent_gated_delta_rule_ref
 from .plan import plan_prefill
@@ -152,12 +153,11 @@ def format_table(rows: list[CheckRow]) -> str:
 
 
 def _cmd_check(args) -> int:
-    heads = tuple(int(x) for x in args.heads.split("/"))
     lengths = tuple(int(x) for x in args.lengths.split(","))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
     device = torch.device(args.device) if args.device else None
     print(f"qla-serving check: torch {torch.__version__}, device {device or ('cuda' if torch.cuda.is_available() else 'cpu')}")
-    rows = run_check(heads, lengths, device, dtype, args.seed)
+    rows = run_check(args.heads, lengths, device, dtype, args.seed)
     print(format_table(rows))
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qla-serving", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("check", help="run the ops on the best available path and compare with the float64 oracle")
-    p.add_argument("--heads", default=f"{DEFAULT_HEADS[0]}/{DEFAULT_HEADS[1]}", help="Hqk/Hv (default: Qwen3.5-27B TP1)")
+    p.add_argument("--heads", type=parse_heads, default=DEFAULT_HEADS, help="Hqk/Hv (default: Qwen3.5-27B TP1)")
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="prefill sequence lengths")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,

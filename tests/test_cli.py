@@ -23,3 +23,10 @@ def test_check_rows_fail_on_wrong_results():
 def test_bench_needs_an_op():
     with pytest.raises(SystemExit):
         cli.main(["bench"])
+
+
+@pytest.mark.parametrize("heads,message", [("3/8", "HV must be a positive multiple of H"), ("16x48", "expected Hqk/Hv")])
+def test_heads_argument_names_the_constraint(capsys, heads, message):
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--heads", heads])
+    assert message in capsys.readouterr().err

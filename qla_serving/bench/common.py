@@ -10,6 +10,7 @@ The markdown table next to it is generated from the JSON by :func:`write_results
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import importlib.metadata
 import json
@@ -23,6 +24,17 @@ from typing import Callable, Iterable
 import torch
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "e2e_bench" / "results"
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    """``"Hqk/Hv"`` -> ``(H, HV)``, an argparse type; HV must be a positive multiple of H (GVA)."""
+    try:
+        h, hv = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"heads {text!r}: expected Hqk/Hv, e.g. 16/48") from None
+    if h <= 0 or hv % h:
+        raise argparse.ArgumentTypeError(f"heads {text}: HV must be a positive multiple of H")
+    return h, hv
 
 
 def median_ms(fn: Callable[[], object], *, warmup: int = 10, iters: int = 100, graph: bool = False) -> float:

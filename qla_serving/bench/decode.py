@@ -37,13 +37,6 @@ IMPLS = ("qla", "fla", "flashinfer")
 MAX_REPS = 64
 
 
-def _parse_heads(text: str) -> tuple[int, int]:
-    h, hv = (int(x) for x in text.split("/"))
-    if hv % h:
-        raise argparse.ArgumentTypeError(f"heads {text}: HV must be a multiple of H")
-    return h, hv
-
-
 def _impl_fns(impls, q, k, v, a, b, A_log, dt_bias, pool, idx_sets, scale, N):
     """One callable per implementation: fn(r) runs the step on index set r."""
     fns = {}
@@ -221,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(prog="qla-serving bench decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=list(DEFAULT_BATCHES), help="batch sizes")
-    ap.add_argument("--heads", type=_parse_heads, nargs="+", default=[_parse_heads(h) for h in DEFAULT_HEADS],
+    ap.add_argument("--heads", type=common.parse_heads, nargs="+", default=[common.parse_heads(h) for h in DEFAULT_HEADS],
                     help="H/HV pairs, e.g. 16/64 2/8")
     ap.add_argument("--state", choices=list(STATE_DTYPES), nargs="+", default=list(STATE_DTYPES))
     ap.add_argument("--impls", choices=IMPLS, nargs="+", default=list(IMPLS))

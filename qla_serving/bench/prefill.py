@@ -129,14 +129,14 @@ RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="qla-serving bench prefill", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--heads", nargs="*", default=None, help="subset of head configs, e.g. 2/8 16/64")
+    ap.add_argument("--heads", type=common.parse_heads, nargs="*", default=None, help="subset of head configs, e.g. 2/8 16/64")
     ap.add_argument("--batches", nargs="*", default=None, help=f"subset of {BATCHES}")
     ap.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS)
     ap.add_argument("--modes", nargs="*", default=["eager", "graph"], choices=["eager", "graph"])
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--out-dir", default=None, help="where the results go (default e2e_bench/results)")
     args = ap.parse_args(argv)
-    heads = HEAD_CONFIGS if args.heads is None else [tuple(map(int, h.split("/"))) for h in args.heads]
+    heads = HEAD_CONFIGS if args.heads is None else args.heads
     batches = BATCHES if args.batches is None else args.batches
 
     meta = common.machine_meta()
