@@ -33,9 +33,11 @@ def test_fla_api_matches_oracle(state_v_first, varlen):
     N = len(lengths)
     h0_engine = torch.randn(N, HV, K, K)
     h0 = h0_engine if state_v_first else h0_engine.transpose(-1, -2).contiguous()
+    h0_before = h0.clone()
     o, final = qla_serving.chunk_gated_delta_rule(
         q4, k4, v4, g3, b3, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu if varlen else None, state_v_first=state_v_first)
+    assert torch.equal(h0, h0_before)  # the caller's state is read, never written
     o_r, s_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0_engine, cu_seqlens=cu,
                                                  use_qk_l2norm=True)
     assert o.shape == (B, T, HV, K) and o.dtype == q.dtype

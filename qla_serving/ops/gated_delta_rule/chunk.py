@@ -245,10 +245,12 @@ def chunk_gated_delta_rule(
         checks.expect_same_device(q.device, initial_state=initial_state)
         if not initial_state.dtype.is_floating_point:
             raise TypeError(f"initial_state must be a float tensor, got {initial_state.dtype}")
-        pool = initial_state if state_v_first else initial_state.transpose(-1, -2)
-        pool = pool.to(torch.float32).contiguous().clone()
-    else:
+    # The op updates its pool in place: a private float32 copy, so the caller's tensor is untouched.
+    if initial_state is None:
         pool = torch.zeros(N, HV, V, K, dtype=torch.float32, device=q.device)
+    else:
+        pool = torch.empty(N, HV, V, K, dtype=torch.float32, device=q.device)
+        pool.copy_(initial_state if state_v_first else initial_state.transpose(-1, -2))
     o = chunk_gated_delta_rule_pool(
         qf, kf, vf, gf, bf, pool, torch.arange(N, dtype=torch.int32, device=q.device),
         has_initial_state=torch.full((N,), initial_state is not None, dtype=torch.bool, device=q.device),
