@@ -19,7 +19,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-POOL_DTYPES = (torch.float32, torch.bfloat16)
+# The pool dtypes the ops accept: one definition, so pool and ops cannot disagree.
+from ..ops.gated_delta_rule.checks import POOL_DTYPES
 
 
 class PoolExhaustedError(RuntimeError):
