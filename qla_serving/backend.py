@@ -94,13 +94,24 @@ def unsupported_reason(device: torch.device, head_k: int, head_v: int, dtype: to
     return device_unsupported_reason(torch.device(device)) or config_unsupported_reason(head_k, head_v, dtype)
 
 
-def _fall_back(op: str, reason: str) -> None:
-    """Log the fallback once per (op, reason), or raise in strict mode."""
+def fall_back_once(message: str, seen: set, key, *, strict_message: str | None = None,
+                   log: logging.Logger = logger) -> None:
+    """The fallback policy of every path (ops and engine adapters) in one place.
+
+    Raises :class:`KernelUnavailable` (``strict_message``, else ``message``) under
+    ``QLA_STRICT=1``; otherwise logs ``message`` on ``log`` the first time ``key`` is seen in
+    ``seen``, so a fallback is said once, not on every call.
+    """
     if strict_mode():
-        raise KernelUnavailable(f"qla-serving {op}: kernels unavailable ({reason}) and QLA_STRICT=1")
-    if (op, reason) not in _warned:
-        _warned.add((op, reason))
-        logger.warning("qla-serving %s: running the PyTorch reference, not the kernels: %s", op, reason)
+        raise KernelUnavailable(strict_message or message)
+    if key not in seen:
+        seen.add(key)
+        log.warning(message)
+
+
+def _fall_back(op: str, reason: str) -> None:
+    fall_back_once(f"qla-serving {op}: running the PyTorch reference, not the kernels: {reason}", _warned,
+                   (op, reason), strict_message=f"qla-serving {op}: kernels unavailable ({reason}) and QLA_STRICT=1")
 
 
 def use_kernels(op: str, device: torch.device, head_k: int, head_v: int, dtype: torch.dtype) -> bool:

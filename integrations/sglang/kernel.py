@@ -549,11 +549,8 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
             f"qla-serving: --linear-attn-backend flashqla cannot run here ({reason}); "
             "SGLang's triton GDN kernels run instead"
         )
-        if qla_backend.strict_mode():
-            raise qla_backend.KernelUnavailable(f"{message}. QLA_STRICT=1 forbids the fallback")
-        if reason not in _fallback_warned:
-            _fallback_warned.add(reason)
-            logger.warning(message)
+        qla_backend.fall_back_once(message, _fallback_warned, reason, log=logger,
+                                   strict_message=f"{message}. QLA_STRICT=1 forbids the fallback")
         from .patch import restore_triton
 
         restore_triton(dispatcher, reason)

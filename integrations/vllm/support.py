@@ -63,15 +63,10 @@ def decide(reason: str | None, *, what: str = "GDN layers") -> bool:
     """
     if reason is None:
         return True
-    if backend.strict_mode():
-        raise backend.KernelUnavailable(
-            f"qla-serving: --linear-attn-backend flashqla cannot run the {what}: {reason}; "
-            "QLA_STRICT=1 forbids falling back to vLLM's default backend"
-        )
-    if reason not in _warned:
-        _warned.add(reason)
-        logger.warning(
-            "qla-serving: flashqla cannot run the %s (%s); falling back to vLLM's default GDN backend.",
-            what, reason,
-        )
+    backend.fall_back_once(
+        f"qla-serving: flashqla cannot run the {what} ({reason}); falling back to vLLM's default GDN backend.",
+        _warned, reason, log=logger,
+        strict_message=(f"qla-serving: --linear-attn-backend flashqla cannot run the {what}: {reason}; "
+                        "QLA_STRICT=1 forbids falling back to vLLM's default backend"),
+    )
     return False
