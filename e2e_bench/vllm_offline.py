@@ -2,18 +2,26 @@
 
 For each GDN prefill backend (``triton``, ``flashinfer``, ``flashqla``) and each prefix-caching
 setting, a fresh subprocess builds ``vllm.LLM`` on a Qwen3.5-shaped config with dummy weights
-(no download, no tokenizer: prompts are token ids) and measures
+(no download, no tokenizer: prompts are token ids; the GDN gates re-drawn so heads remember
+from a few to about a thousand tokens, see :func:`init_gdn_gates`) and measures
 
 * agreement: ``--num-prompts`` prompts of mixed lengths x ``--max-tokens`` greedy tokens; the
   metric is, per run, the sum over prompts of the tokens generated before the first token that
   differs from the reference run (``triton``, prefix caching off);
-* prefill-heavy throughput: ``--tp-prompts`` prompts x ``--tp-len`` tokens, ``max_tokens=1``,
-  prompt tokens per second, cold (the first generate call of the process) and warm (a second
-  call on different prompts of the same shape, so prefix caching cannot hit).
+* prefill-heavy throughput (in the runs without prefix caching, ``--throughput-pc``):
+  ``--tp-prompts`` prompts x ``--tp-len`` tokens, ``max_tokens=1``, prompt tokens per second,
+  cold (the first generate call of the process) and warm (a second call on different prompts
+  of the same shape, so prefix caching cannot hit).
 
 For ``flashqla`` the subprocess runs with ``QLA_STRICT=1`` (a fallback is an error), counts the
 plugin's op calls, reads the kernel compile counters before and after the measured runs, and
 fails (exit 3) if the ops did not run, anything compiled while serving, or a fallback was logged.
+vLLM's own JIT monitor (kernels compiled or autotuned after its warm-up) is recorded per run.
+
+``--parallel N`` builds up to N engines side by side (building is mostly CPU work: imports,
+Triton/CuTe/TileLang compiles) and then lets them measure one at a time, each only while the
+others sit idle (:func:`run_waves`); the default runs order puts the three runs without prefix
+caching in the first wave. ``--enforce-eager`` skips torch.compile and CUDA-graph capture.
 
 Results: ``<date>-<gpu>-vllm-offline.json`` (``{"meta", "rows"}`` as in
 ``qla_serving.bench.common``), a markdown table beside it and the generated token ids
@@ -24,8 +32,8 @@ run split over several commands can be resumed (``--reuse``) and aggregated at t
 it for every backend and setting (``EngineArgs(...).create_engine_config()``), builds the
 prompt sets and runs the aggregation on synthetic outputs.
 
-    python e2e_bench/vllm_offline.py --out-dir "$OUT"            # on an H100/H200
-    python e2e_bench/vllm_offline.py --dry-run --out-dir /tmp/x  # anywhere with vLLM
+    python e2e_bench/vllm_offline.py --enforce-eager --parallel 3 --out-dir "$OUT"  # on an H100/H200
+    python e2e_bench/vllm_offline.py --dry-run --out-dir /tmp/x                     # anywhere with vLLM
 """
 
 from __future__ import annotations
@@ -54,13 +62,16 @@ EXIT_QLA_CHECK = 3
 
 
 def model_config(num_layers: int = 8, linear_v_heads: int = 32, hidden: int = 1024, vocab: int = 8192,
-                 max_positions: int = 16384) -> dict:
+                 max_positions: int = 16384, state_dtype: str = "float32") -> dict:
     """The config.json of a small Qwen3.5-shaped model (``Qwen3_5ForConditionalGeneration``).
 
     The GDN layers have the production head layout (16 q/k heads, ``linear_v_heads`` value
     heads, head dims 128); every fourth layer is full attention (head dim 256, partial M-RoPE as
     in Qwen3.5). Hidden size, MLP and vocabulary are small. vLLM serves only the language model
     (``language_model_only=True``); the vision tower is the smallest transformers accepts.
+    ``state_dtype`` is ``mamba_ssm_dtype``, which vLLM 0.26+ turns into the recurrent-state
+    cache dtype of a Qwen3.5 model (``float32`` as in the released checkpoints; without it the
+    cache would take the activation dtype).
     """
     layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
     text = {
@@ -75,6 +86,7 @@ def model_config(num_layers: int = 8, linear_v_heads: int = 32, hidden: int = 10
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
         "bos_token_id": None, "eos_token_id": vocab - 1, "pad_token_id": None, "dtype": "bfloat16",
+        "mamba_ssm_dtype": state_dtype,
     }
     vision = {
         "model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 64, "num_heads": 2,
@@ -96,6 +108,62 @@ def write_model(directory: str | os.PathLike, **shape) -> str:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model_config(**shape), indent=1) + "\n")
     return str(path)
+
+
+# ----------------------------------------------------------------------------- GDN gates
+
+# vLLM's dummy loader fills every parameter with U(-1e-3, 1e-3): A_log ~ 0 and dt_bias ~ 0 give
+# every head the decay exp(-exp(A_log) * softplus(dt_bias)) ~ 0.5 per token, so a head forgets
+# its state within ~10 tokens and a wrong state carried across chunks or from the prefix cache
+# would not change the outputs. The worker re-draws both the way Qwen3-Next / Mamba-2 initialise
+# them: A = exp(A_log) ~ U(1, 16), softplus(dt_bias) = dt ~ log-U(1e-3, 0.1), i.e. per-token
+# decays from exp(-1.6) (short memory) to exp(-1e-3) (about a thousand tokens).
+GATE_A_RANGE = (1.0, 16.0)
+GATE_DT_RANGE = (1e-3, 0.1)
+
+
+def gdn_gate_values(num_heads: int, seed: int):
+    """``(A_log, dt_bias)`` for one GDN layer: float32 CPU tensors of shape ``[num_heads]``.
+
+    Deterministic in ``seed``, so every backend's engine gets the same gates.
+    """
+    import math
+
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    a = GATE_A_RANGE[0] + (GATE_A_RANGE[1] - GATE_A_RANGE[0]) * torch.rand(num_heads, generator=gen, dtype=torch.float64)
+    lo, hi = math.log(GATE_DT_RANGE[0]), math.log(GATE_DT_RANGE[1])
+    dt = torch.exp(lo + (hi - lo) * torch.rand(num_heads, generator=gen, dtype=torch.float64))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+    return torch.log(a).float(), dt_bias.float()
+
+
+def init_gdn_gates(model) -> int:
+    """Overwrite ``A_log`` and ``dt_bias`` of every GDN layer of ``model`` (an ``nn.Module``) in
+    place with :func:`gdn_gate_values`, seeded by the module's name; returns how many layers.
+
+    Runs inside vLLM's worker through ``LLM.apply_model`` after the engine is built (vLLM reads
+    both parameters at every step; nothing is derived from them at load time).
+    """
+    import zlib
+
+    import torch
+
+    layers = 0
+    for name, module in model.named_modules():
+        A_log, dt_bias = getattr(module, "A_log", None), getattr(module, "dt_bias", None)
+        if not (isinstance(A_log, torch.nn.Parameter) and isinstance(dt_bias, torch.nn.Parameter)):
+            continue
+        if A_log.shape != dt_bias.shape or A_log.dim() != 1:
+            raise ValueError(f"{name}: A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} "
+                             "must be equal 1-D (one value per value head)")
+        a, d = gdn_gate_values(A_log.numel(), zlib.crc32(name.encode()))
+        with torch.no_grad():
+            A_log.copy_(a.to(A_log.device, A_log.dtype))
+            dt_bias.copy_(d.to(dt_bias.device, dt_bias.dtype))
+        layers += 1
+    return layers
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -264,19 +332,30 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def llm_kwargs(model_dir: str, backend: str, prefix_caching: bool, *, enforce_eager: bool, seed: int,
-               max_model_len: int, gpu_memory_utilization: float = 0.85) -> dict:
+               max_model_len: int, gpu_memory_utilization: float = 0.85, kv_cache_gib: float = 0,
+               max_num_seqs: int = 0) -> dict:
     """The ``vllm.LLM`` / ``EngineArgs`` keyword arguments of one run.
 
     ``gdn_prefill_backend`` is vLLM's own engine field (what ``--gdn-prefill-backend`` and the
     plugin's ``--linear-attn-backend`` write); ``create_engine_config`` copies it into
     ``additional_config["gdn_prefill_backend"]``, where vLLM and the plugin read it.
+    ``kv_cache_gib`` > 0 fixes the cache size (``kv_cache_memory_bytes``): vLLM then skips its
+    free-memory profiling, which asserts when another engine on the same GPU frees memory
+    meanwhile (engines started side by side, ``--parallel``). ``max_num_seqs`` > 0 caps the
+    batch (vLLM's default on an H100 is 1024 sequences; the harness never has more than
+    ``--num-prompts`` / ``--tp-prompts`` in flight).
     """
-    return {
+    kwargs = {
         "model": model_dir, "load_format": "dummy", "skip_tokenizer_init": True, "language_model_only": True,
         "dtype": "bfloat16", "seed": seed, "enforce_eager": enforce_eager, "enable_prefix_caching": prefix_caching,
         "max_model_len": max_model_len, "gdn_prefill_backend": backend,
         "gpu_memory_utilization": gpu_memory_utilization,
     }
+    if kv_cache_gib > 0:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    if max_num_seqs > 0:
+        kwargs["max_num_seqs"] = max_num_seqs
+    return kwargs
 
 
 def _select_cpu_platform() -> None:
@@ -374,8 +453,41 @@ def _generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t0
 
 
+class _JitMonitorLog(logging.Handler):
+    """Collects vLLM's own JIT-monitor warnings (a kernel compiled or autotuned after vLLM's
+    warm-up; the monitor exists from vLLM 0.26). Informative for every backend."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage()[:300])
+
+
+def signal_ready(spec: dict) -> None:
+    """Worker side of the start barrier: the engine is built (see :func:`run_waves`)."""
+    if spec.get("ready_file"):
+        pathlib.Path(spec["ready_file"]).write_text(f"{os.getpid()}\n")
+
+
+def wait_for_go(spec: dict, poll_s: float = 0.1) -> float:
+    """Worker side of the start barrier: wait until the parent lets this run measure; returns
+    the seconds waited. Exits if the parent is gone (nobody would ever say go)."""
+    go = spec.get("go_file")
+    if not go:
+        return 0.0
+    parent, t0 = os.getppid(), time.perf_counter()
+    while not os.path.exists(go):
+        if os.getppid() != parent:
+            raise SystemExit("the parent process is gone")
+        time.sleep(poll_s)
+    return time.perf_counter() - t0
+
+
 def worker(spec: dict) -> int:
-    """One engine in this process: throughput cold, throughput warm, agreement; writes spec['out']."""
+    """One engine in this process: build it, re-draw the GDN gates, say ready, wait for go, then
+    throughput cold and warm (where ``spec["throughput"]``), agreement; writes ``spec["out"]``."""
     backend, pc = spec["backend"], spec["prefix_caching"]
     is_qla = backend == QLA_BACKEND
     result: dict = {"backend": backend, "prefix_caching": pc, "ok": False}
@@ -384,6 +496,8 @@ def worker(spec: dict) -> int:
     warnings = _WarningLog()
     for name in ("vllm.qla_serving", "qla_serving"):
         logging.getLogger(name).addHandler(warnings)
+    jit = _JitMonitorLog()
+    logging.getLogger("vllm.utils.jit_monitor").addHandler(jit)
     try:
         if is_qla:
             _count_ops(counts)
@@ -392,12 +506,21 @@ def worker(spec: dict) -> int:
         t0 = time.perf_counter()
         llm = LLM(**spec["llm_kwargs"])
         result["init_s"] = time.perf_counter() - t0
+        if spec.get("init_gates", True):
+            result["gdn_layers_gated"] = sum(llm.apply_model(init_gdn_gates))
+            if result["gdn_layers_gated"] <= 0:
+                raise RuntimeError("no GDN layer (A_log, dt_bias) found to re-draw the gates of")
         if is_qla:
             before = _kernel_counters()
             calls_before = dict(counts)
-        tp = spec["throughput"]
+        jit_at_ready = len(jit.messages)
+        signal_ready(spec)
+        result["wait_s"] = wait_for_go(spec)
+        print(f"[{run_label(backend, pc)}] engine ready after {result['init_s']:.1f} s, measuring", flush=True)
+        t_measure = time.perf_counter()
+        tp = spec.get("throughput")
         result["throughput"] = {}
-        for phase, prompts in (("cold", tp["cold"]), ("warm", tp["warm"])):
+        for phase, prompts in (tp or {}).items():
             _, s = _generate(llm, prompts, 1)
             result["throughput"][phase] = {"tokens": sum(map(len, prompts)), "s": s, "prompts": len(prompts),
                                            "prompt_len": len(prompts[0])}
@@ -408,6 +531,8 @@ def worker(spec: dict) -> int:
             toks, s = _generate(llm, spec["agreement_prompts"], spec["max_tokens"])
             result["agreement"][f"pass{k + 1}"] = toks
             print(f"[{run_label(backend, pc)}] agreement pass {k + 1}: {s:.2f} s", flush=True)
+        result["measure_s"] = time.perf_counter() - t_measure
+        result["jit_events"] = jit.messages[jit_at_ready:][:20]
         result["ok"] = True
         if is_qla:
             after = _kernel_counters()
@@ -456,6 +581,104 @@ def qla_problems(q: dict) -> list[str]:
     return problems
 
 
+# ----------------------------------------------------------------------------- the schedule
+
+
+def ordered_runs(backends, modes) -> list[tuple[str, str]]:
+    """``(backend, prefix caching)`` in the order the runs start: every backend without prefix
+    caching first, the reference backend first of all; then every backend with prefix caching,
+    the reference backend last (its prefix-cached run is the least needed: the acceptance
+    compares the others with the reference's run without the cache). A command cut short by
+    its budget has then done the runs that matter most."""
+    ref_first = sorted(backends, key=lambda b: b != REFERENCE[0])  # stable: the rest keep their order
+    ref_last = sorted(backends, key=lambda b: b == REFERENCE[0])
+    return [(b, pc) for pc in modes for b in (ref_first if pc == REFERENCE[1] else ref_last)]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the worker and whatever it started
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_waves(jobs: list[dict], parallel: int, *, init_timeout: float, measure_timeout: float,
+              deadline: float | None = None, min_left: float = 120.0, poll_s: float = 0.2, log=print) -> dict:
+    """Run worker processes in waves of up to ``parallel``: engines build side by side, measure one at a time.
+
+    Args:
+        jobs: in start order, each a dict with ``label``, ``cmd`` (argv), ``env`` (or None),
+            ``ready_file`` and ``go_file`` (paths; the worker writes the first once its engine
+            is built, :func:`signal_ready`, and measures once the second exists, :func:`wait_for_go`).
+        parallel: processes per wave (1: one run after another).
+        init_timeout: seconds a wave may take until every member is ready or has exited.
+        measure_timeout: seconds one run may take after its go.
+        deadline: a ``time.monotonic()`` value no wait goes past; a wave with less than
+            ``min_left`` seconds before it is not started.
+
+    Building an engine is mostly CPU work (imports, kernel compiles, vLLM's profiling pass), so
+    overlapping it saves wall time; a run measures only when every other member of its wave
+    is built and idle, and waves do not overlap, so no measurement shares the GPU with work.
+
+    Returns:
+        ``{label: {"rc": exit status or None, "status": one of done, exited (before its go),
+        timeout-init, timeout-measure, not-started, "s": seconds since its start}}``.
+    """
+    status: dict[str, dict] = {}
+    step = max(1, int(parallel))
+    for w in range(0, len(jobs), step):
+        wave = jobs[w:w + step]
+        if deadline is not None and deadline - time.monotonic() < min_left:
+            for j in wave:
+                status[j["label"]] = {"rc": None, "status": "not-started", "s": 0.0}
+                log(f"[{j['label']}] not started: {deadline - time.monotonic():.0f} s left before the deadline; "
+                    "run again with --reuse")
+            continue
+        procs = []
+        for j in wave:
+            for f in (j["ready_file"], j["go_file"]):
+                pathlib.Path(f).unlink(missing_ok=True)
+            log(f"[{j['label']}] starting")
+            procs.append((j, subprocess.Popen(j["cmd"], env=j.get("env"), start_new_session=True), time.monotonic()))
+        init_end = time.monotonic() + init_timeout
+        if deadline is not None:
+            init_end = min(init_end, deadline)
+        while True:
+            building = [(j, p, t) for j, p, t in procs if p.poll() is None and not os.path.exists(j["ready_file"])]
+            if not building:
+                break
+            if time.monotonic() >= init_end:
+                for j, p, t in building:
+                    _kill(p)
+                    status[j["label"]] = {"rc": 124, "status": "timeout-init", "s": time.monotonic() - t}
+                    log(f"[{j['label']}] killed: engine not built in time")
+                break
+            time.sleep(poll_s)
+        for j, p, t in procs:
+            if j["label"] in status:
+                continue
+            if p.poll() is not None:
+                status[j["label"]] = {"rc": p.returncode, "status": "exited", "s": time.monotonic() - t}
+                log(f"[{j['label']}] exit {p.returncode} before measuring, after {time.monotonic() - t:.0f} s")
+                continue
+            limit = measure_timeout if deadline is None else min(measure_timeout, deadline - time.monotonic())
+            if limit < 1:
+                _kill(p)
+                status[j["label"]] = {"rc": 124, "status": "timeout-measure", "s": time.monotonic() - t}
+                log(f"[{j['label']}] killed before measuring: the deadline has passed")
+                continue
+            pathlib.Path(j["go_file"]).write_text("go\n")
+            try:
+                rc, state = p.wait(timeout=limit), "done"
+            except subprocess.TimeoutExpired:
+                _kill(p)
+                rc, state = 124, "timeout-measure"
+            status[j["label"]] = {"rc": rc, "status": state, "s": time.monotonic() - t}
+            log(f"[{j['label']}] exit {rc} after {time.monotonic() - t:.0f} s")
+    return status
+
+
 # ----------------------------------------------------------------------------- the parent
 
 
@@ -481,8 +704,23 @@ def parse_args(argv):
     p.add_argument("--linear-v-heads", type=int, default=32)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--timeout", type=int, default=300, help="seconds per worker subprocess (default: %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="per engine; with --parallel N at most 0.9/N is used (default: %(default)s)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="fixed KV-cache size per engine (vLLM's kv_cache_memory_bytes; skips its memory "
+                        "profiling); default: 8 with --parallel > 1, else vLLM sizes it")
+    p.add_argument("--max-num-seqs", type=int, default=32,
+                   help="vLLM's max_num_seqs (0: vLLM's default, 1024 on an H100) (default: %(default)s)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="engines built side by side (one wave); measurements still run one at a time "
+                        "(default: %(default)s)")
+    p.add_argument("--throughput-pc", choices=("off", "on", "both"), default="off",
+                   help="the prefix-caching setting(s) whose runs also measure throughput (default: %(default)s)")
+    p.add_argument("--dummy-gates", action="store_true",
+                   help="keep vLLM's dummy A_log/dt_bias (every head forgets within ~10 tokens) instead of "
+                        "re-drawing them (see init_gdn_gates)")
+    p.add_argument("--timeout", type=int, default=300,
+                   help="seconds a worker may take to build its engine, and again to measure (default: %(default)s)")
     p.add_argument("--budget", type=int, default=0,
                    help="seconds this command may take (0: no limit); a run that cannot get 120 s is left "
                         "for a later command with --reuse, and the results written cover the runs done")
@@ -497,6 +735,15 @@ def _pc_modes(arg: str) -> list[str]:
 def _shape(args) -> dict:
     return {"num_layers": args.layers, "linear_v_heads": args.linear_v_heads, "hidden": args.hidden, "vocab": args.vocab,
                 "max_positions": max(16384, args.tp_len + 512)}
+
+
+def _memory_settings(args) -> dict:
+    """``llm_kwargs``'s memory arguments: with engines side by side each takes a share of the
+    GPU and a fixed KV cache (vLLM's profiling would see the others' memory come and go)."""
+    parallel = max(1, args.parallel)
+    kv = args.kv_cache_gib if args.kv_cache_gib is not None else (8.0 if parallel > 1 else 0)
+    util = args.gpu_memory_utilization if parallel == 1 else min(args.gpu_memory_utilization, 0.9 / parallel)
+    return {"gpu_memory_utilization": round(util, 3), "kv_cache_gib": kv, "max_num_seqs": args.max_num_seqs}
 
 
 def _max_model_len(args) -> int:
@@ -520,7 +767,10 @@ def _meta(args, argv, gpu: str | None) -> dict:
         },
         "settings": {"enforce_eager": args.enforce_eager, "seed": args.seed, "num_prompts": args.num_prompts,
                      "prompt_lens": [args.min_len, args.max_len], "max_tokens": args.max_tokens,
-                     "throughput": [args.tp_prompts, args.tp_len], "max_model_len": _max_model_len(args)},
+                     "throughput": [args.tp_prompts, args.tp_len], "throughput_pc": args.throughput_pc,
+                     "max_model_len": _max_model_len(args), "parallel": args.parallel, **_memory_settings(args),
+                     "gdn_gates": ("vLLM dummy (decay ~0.5 per token)" if args.dummy_gates else
+                                   f"re-drawn: A ~ U{GATE_A_RANGE}, softplus(dt_bias) ~ log-U{GATE_DT_RANGE}")},
     }
     if gpu:
         try:
@@ -545,7 +795,7 @@ def write_outputs(out_dir: str | os.PathLike, meta: dict, rows: list[dict], toke
     return path
 
 
-def _synthetic_results(backends, modes, prompts, max_tokens, tp) -> list[dict]:
+def _synthetic_results(backends, modes, prompts, max_tokens, tp, tp_modes=("off", "on")) -> list[dict]:
     """Made-up worker results for the dry run: the reference agrees with itself, the others
     diverge at a known position on some prompts."""
     rng = random.Random(1)
@@ -561,7 +811,8 @@ def _synthetic_results(backends, modes, prompts, max_tokens, tp) -> list[dict]:
                 passes[f"pass{k + 1}"] = outs
             results.append({"backend": b, "prefix_caching": pc, "ok": True, "init_s": 0.0, "agreement": passes,
                             "throughput": {ph: {"tokens": tp[0] * tp[1], "s": 1.0 + bi, "prompts": tp[0],
-                                                "prompt_len": tp[1]} for ph in ("cold", "warm")}})
+                                                "prompt_len": tp[1]} for ph in ("cold", "warm")} if pc in tp_modes
+                            else {}})
     return results
 
 
@@ -576,14 +827,14 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model_dir = write_model(work / "model", **_shape(args))
     modes = _pc_modes(args.prefix_caching)
-    runs = [(b, pc) for b in args.backends for pc in modes]
+    runs = ordered_runs(args.backends, modes)
     prompts = agreement_prompts(args.num_prompts, args.min_len, args.max_len, args.vocab, args.seed)
     tp = {"cold": throughput_prompts(args.tp_prompts, args.tp_len, args.vocab, args.seed + 1),
           "warm": throughput_prompts(args.tp_prompts, args.tp_len, args.vocab, args.seed + 2)}
 
     def kwargs_of(backend, pc):
         return llm_kwargs(model_dir, backend, pc == "on", enforce_eager=args.enforce_eager, seed=args.seed,
-                          max_model_len=_max_model_len(args), gpu_memory_utilization=args.gpu_memory_utilization)
+                          max_model_len=_max_model_len(args), **_memory_settings(args))
 
     if args.dry_run:
         _select_cpu_platform()
@@ -595,13 +846,17 @@ def main(argv=None) -> int:
                 "architecture": cfg.model_config.architecture,
                 "prefix_caching": cfg.cache_config.enable_prefix_caching,
                 "mamba_cache_mode": str(getattr(cfg.cache_config, "mamba_cache_mode", None)),
+                "state_dtype": str(cfg.cache_config.mamba_ssm_cache_dtype),
+                "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
+                "max_num_seqs": cfg.scheduler_config.max_num_seqs,
             }
             print(f"[dry-run] {run_label(b, pc)}: vLLM accepts the config: {checked[run_label(b, pc)]}")
             if b == QLA_BACKEND:
                 reason = plugin_config_reason(cfg)
                 if reason is not None:
                     raise SystemExit(f"[dry-run] the plugin would not run this model's GDN layers: {reason}")
-        results = _synthetic_results(args.backends, modes, prompts, args.max_tokens, (args.tp_prompts, args.tp_len))
+        results = _synthetic_results(args.backends, modes, prompts, args.max_tokens, (args.tp_prompts, args.tp_len),
+                                     _pc_modes(args.throughput_pc))
         meta = _meta(args, argv, None)
         meta["dry_run"] = {"engine_configs": checked,
                            "prompt_lens": [len(p) for p in prompts]}
@@ -612,48 +867,39 @@ def main(argv=None) -> int:
         return 0
 
     failed = []
-    start = time.perf_counter()
     if not args.aggregate_only:
+        deadline = time.monotonic() + args.budget - 20 if args.budget else None  # 20 s kept for the results
+        jobs = []
         for b, pc in runs:
-            raw = work / f"{run_label(b, pc)}.json"
+            label = run_label(b, pc)
+            raw = work / f"{label}.json"
             if args.reuse and raw.exists() and json.loads(raw.read_text()).get("ok"):
-                print(f"[{run_label(b, pc)}] reusing {raw}")
+                print(f"[{label}] reusing {raw}")
                 continue
-            timeout = args.timeout
-            if args.budget:
-                left = args.budget - (time.perf_counter() - start) - 20  # 20 s kept for the results
-                if left < 120:
-                    print(f"[{run_label(b, pc)}] not started: {left:.0f} s of --budget left; run again with --reuse",
-                          flush=True)
-                    continue
-                timeout = int(min(timeout, left))
             raw.unlink(missing_ok=True)
             spec = {"backend": b, "prefix_caching": pc, "out": str(raw), "llm_kwargs": kwargs_of(b, pc),
-                    "agreement_prompts": prompts, "max_tokens": args.max_tokens, "throughput": tp,
+                    "agreement_prompts": prompts, "max_tokens": args.max_tokens,
+                    "throughput": tp if pc in _pc_modes(args.throughput_pc) else None,
                     # With prefix caching a second pass runs the same prompts from the cache.
-                    "agreement_passes": 2 if pc == "on" else 1}
-            spec_path = work / f"{run_label(b, pc)}-spec.json"
+                    "agreement_passes": 2 if pc == "on" else 1,
+                    "init_gates": not args.dummy_gates,
+                    "ready_file": str(work / f"{label}.ready"), "go_file": str(work / f"{label}.go")}
+            spec_path = work / f"{label}-spec.json"
             spec_path.write_text(json.dumps(spec))
             env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
             if b == QLA_BACKEND:
                 env["QLA_STRICT"] = "1"
-            print(f"[{run_label(b, pc)}] starting", flush=True)
-            t0 = time.perf_counter()
-            # Its own process group, so a timeout ends the worker and anything it started.
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(spec_path)],
-                                    env=env, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                rc = 124
-                raw.write_text(json.dumps({"backend": b, "prefix_caching": pc, "ok": False,
-                                           "error": f"timed out after {timeout} s"}) + "\n")
-            print(f"[{run_label(b, pc)}] exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
-            if not raw.exists():
-                raw.write_text(json.dumps({"backend": b, "prefix_caching": pc, "ok": False,
-                                           "error": f"worker exited {rc} without a result"}) + "\n")
+            jobs.append({"label": label, "cmd": [sys.executable, os.path.abspath(__file__), "--worker", str(spec_path)],
+                         "env": env, "ready_file": spec["ready_file"], "go_file": spec["go_file"]})
+        status = run_waves(jobs, args.parallel, init_timeout=args.timeout, measure_timeout=args.timeout,
+                           deadline=deadline, log=lambda m: print(m, flush=True))
+        for (b, pc), label in ((r, run_label(*r)) for r in runs):
+            st, raw = status.get(label), work / f"{label}.json"
+            if st is None or st["status"] == "not-started" or raw.exists():
+                continue
+            error = (f"timed out ({st['status']}) after {st['s']:.0f} s" if st["rc"] == 124
+                     else f"worker exited {st['rc']} without a result")
+            raw.write_text(json.dumps({"backend": b, "prefix_caching": pc, "ok": False, "error": error}) + "\n")
 
     results = []
     for b, pc in runs:
@@ -682,4 +928,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_status = main()
+    if "--worker" in sys.argv:
+        # The result file is written: leave without vLLM's exit handlers, which can hang an
+        # in-process engine's shutdown and would spend the command's time limit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_status)
+    sys.exit(exit_status)

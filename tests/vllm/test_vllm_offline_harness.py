@@ -168,3 +168,186 @@ def test_dry_run_writes_results(vo, tmp_path, registered):
     assert (work / "model" / "config.json").exists()
     assert path.with_suffix(".md").read_text().startswith("# vLLM offline acceptance")
     assert path.with_name(path.stem + "-tokens.json").exists()
+
+
+def test_dry_run_state_dtype_memory_and_throughput_runs(vo, tmp_path, registered):
+    out, work = tmp_path / "out", tmp_path / "work"
+    rc = vo.main(["--dry-run", "--out-dir", str(out), "--work-dir", str(work), "--backends", "triton", "flashqla",
+                  "--num-prompts", "2", "--max-len", "300", "--tp-prompts", "2", "--tp-len", "512", "--parallel", "2"])
+    assert rc == 0
+    data = json.loads(next(out.glob("*-vllm-offline.json")).read_text())
+    configs = data["meta"]["dry_run"]["engine_configs"]
+    # The released Qwen3.5 checkpoints keep the recurrent state in float32 (mamba_ssm_dtype).
+    assert {c["state_dtype"] for c in configs.values()} == {"float32"}
+    # Side by side: a fixed cache (no profiling) and a share of the GPU each.
+    assert {c["kv_cache_memory_bytes"] for c in configs.values()} == {8 * 2**30}
+    assert {c["max_num_seqs"] for c in configs.values()} == {32}
+    assert data["meta"]["settings"]["gpu_memory_utilization"] == 0.45
+    # Throughput only in the runs without prefix caching (--throughput-pc off, the default).
+    tput = {(r["impl"], r["mode"]) for r in data["rows"] if r["op"] == "vllm-prefill"}
+    assert tput == {("triton", "pc-off"), ("flashqla", "pc-off")}
+
+
+def test_memory_settings(vo):
+    one = vo.parse_args([])
+    assert vo._memory_settings(one) == {"gpu_memory_utilization": 0.85, "kv_cache_gib": 0, "max_num_seqs": 32}
+    three = vo.parse_args(["--parallel", "3", "--kv-cache-gib", "4"])
+    assert vo._memory_settings(three) == {"gpu_memory_utilization": 0.3, "kv_cache_gib": 4.0, "max_num_seqs": 32}
+    kw = vo.llm_kwargs("/m", "triton", False, enforce_eager=True, seed=0, max_model_len=100, kv_cache_gib=1.5,
+                       max_num_seqs=8)
+    assert kw["kv_cache_memory_bytes"] == int(1.5 * 2**30) and kw["max_num_seqs"] == 8
+    plain = vo.llm_kwargs("/m", "triton", False, enforce_eager=True, seed=0, max_model_len=100)
+    assert "kv_cache_memory_bytes" not in plain and "max_num_seqs" not in plain
+
+
+# ----------------------------------------------------------------------------- GDN gates
+
+
+def test_gate_values_follow_the_qwen3_next_initialisation(vo):
+    import math
+
+    import torch
+
+    A_log, dt_bias = vo.gdn_gate_values(4096, seed=7)
+    assert A_log.shape == dt_bias.shape == (4096,) and A_log.dtype == dt_bias.dtype == torch.float32
+    A = A_log.double().exp()
+    dt = torch.nn.functional.softplus(dt_bias.double())
+    assert A.min() >= 1.0 - 1e-5 and A.max() <= 16.0 + 1e-4
+    assert dt.min() >= 1e-3 * (1 - 1e-4) and dt.max() <= 0.1 * (1 + 1e-4)
+    # Spread over the ranges (log-uniform dt: about half the heads below the geometric mean 0.01).
+    assert A.max() - A.min() > 14.0
+    assert 0.4 < (dt < 0.01).double().mean() < 0.6
+    # Per-token decay exp(-A * dt) from short memory to about a thousand tokens.
+    decay = torch.exp(-A * dt)
+    assert decay.min() < math.exp(-1.0) and decay.max() > math.exp(-2e-3)
+    assert torch.equal(vo.gdn_gate_values(4096, seed=7)[0], A_log)  # deterministic
+    assert not torch.equal(vo.gdn_gate_values(4096, seed=8)[0], A_log)
+
+
+def test_init_gdn_gates_rewrites_every_gdn_layer(vo):
+    import torch
+
+    class Gdn(torch.nn.Module):
+        def __init__(self, heads):
+            super().__init__()
+            self.A_log = torch.nn.Parameter(torch.empty(heads).uniform_(-1e-3, 1e-3))
+            self.dt_bias = torch.nn.Parameter(torch.ones(heads, dtype=torch.bfloat16))
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"layers": torch.nn.ModuleList([Gdn(32), torch.nn.Linear(4, 4), Gdn(32)])})
+
+    m1, m2 = model(), model()
+    assert vo.init_gdn_gates(m1) == 2
+    vo.init_gdn_gates(m2)
+    g0, g2 = m1["layers"][0], m1["layers"][2]
+    assert g0.dt_bias.dtype == torch.bfloat16  # written in the parameter's own dtype
+    assert not torch.equal(g0.A_log, g2.A_log)  # seeded by the layer's name
+    assert torch.equal(g0.A_log, m2["layers"][0].A_log)  # the same in every engine
+    A_log, dt_bias = vo.gdn_gate_values(32, __import__("zlib").crc32(b"layers.2"))
+    assert torch.equal(g2.A_log.data, A_log) and torch.equal(g2.dt_bias.data, dt_bias.bfloat16())
+    bad = torch.nn.ModuleDict({"x": Gdn(4)})
+    bad["x"].dt_bias = torch.nn.Parameter(torch.ones(5))
+    with pytest.raises(ValueError, match="A_log"):
+        vo.init_gdn_gates(bad)
+
+
+# ----------------------------------------------------------------------------- the schedule
+
+
+def test_ordered_runs_put_the_reference_run_and_no_prefix_caching_first(vo):
+    runs = vo.ordered_runs(["flashinfer", "flashqla", "triton"], ["off", "on"])
+    assert runs == [("triton", "off"), ("flashinfer", "off"), ("flashqla", "off"),
+                    ("flashinfer", "on"), ("flashqla", "on"), ("triton", "on")]
+    assert vo.ordered_runs(["flashqla"], ["on"]) == [("flashqla", "on")]
+
+
+_FAKE_WORKER = """
+import importlib.util, json, sys, time
+spec_mod = importlib.util.spec_from_file_location("vo", {script!r})
+vo = importlib.util.module_from_spec(spec_mod)
+spec_mod.loader.exec_module(vo)
+spec = json.load(open(sys.argv[1]))
+def note(event):
+    with open(spec["log"], "a") as f:
+        f.write(json.dumps([spec["label"], event, time.monotonic()]) + "\\n")
+note("start")
+time.sleep(spec["build_s"])
+if spec.get("fail_build"):
+    sys.exit(5)
+vo.signal_ready(spec)
+vo.wait_for_go(spec, poll_s=0.01)
+note("measure")
+time.sleep(spec["measure_s"])
+note("end")
+"""
+
+
+def _fake_jobs(tmp_path, runs):
+    import sys
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(_FAKE_WORKER.format(script=str(_SCRIPT)))
+    log = tmp_path / "events.jsonl"
+    jobs = []
+    for label, extra in runs:
+        spec = {"label": label, "log": str(log), "build_s": 0.2, "measure_s": 0.2,
+                "ready_file": str(tmp_path / f"{label}.ready"), "go_file": str(tmp_path / f"{label}.go"), **extra}
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps(spec))
+        jobs.append({"label": label, "cmd": [sys.executable, str(script), str(path)], "env": None,
+                     "ready_file": spec["ready_file"], "go_file": spec["go_file"]})
+    return jobs, log
+
+
+def _events(log):
+    ev = {}
+    for line in log.read_text().splitlines():
+        label, what, t = json.loads(line)
+        ev.setdefault(label, {})[what] = t
+    return ev
+
+
+def test_run_waves_builds_side_by_side_and_measures_one_at_a_time(vo, tmp_path):
+    # The slowest builder starts first: with a barrier nobody measures before it is built.
+    runs = [("a", {"build_s": 1.0}), ("b", {}), ("c", {"measure_s": 0.4}), ("d", {}), ("e", {})]
+    jobs, log = _fake_jobs(tmp_path, runs)
+    status = vo.run_waves(jobs, 3, init_timeout=60, measure_timeout=60, log=lambda m: None)
+    assert {k: v["status"] for k, v in status.items()} == dict.fromkeys("abcde", "done")
+    assert all(v["rc"] == 0 for v in status.values())
+    ev = _events(log)
+    wave1, wave2 = ["a", "b", "c"], ["d", "e"]
+    # Within a wave: every engine started before any measurement, and every build ended first.
+    assert max(ev[x]["start"] for x in wave1) < min(ev[x]["measure"] for x in wave1)
+    assert ev["a"]["start"] + 1.0 <= min(ev[x]["measure"] for x in wave1)
+    # Measurements never overlap, and keep the start order.
+    spans = sorted((ev[x]["measure"], ev[x]["end"], x) for x in ev)
+    assert [x for _, _, x in spans] == list("abcde")
+    assert all(end <= nxt for (_, end, _), (nxt, _, _) in zip(spans, spans[1:]))
+    # Waves do not overlap.
+    assert max(ev[x]["end"] for x in wave1) < min(ev[x]["start"] for x in wave2)
+
+
+def test_run_waves_failures_timeouts_and_deadline(vo, tmp_path):
+    import time
+
+    runs = [("ok", {}), ("dies", {"fail_build": True}), ("hangs", {"build_s": 30})]
+    jobs, log = _fake_jobs(tmp_path, runs)
+    t0 = time.monotonic()
+    status = vo.run_waves(jobs, 3, init_timeout=2, measure_timeout=60, log=lambda m: None)
+    assert time.monotonic() - t0 < 20  # the hanging build was killed at init_timeout
+    assert status["ok"]["status"] == "done" and status["ok"]["rc"] == 0
+    assert status["dies"]["status"] == "exited" and status["dies"]["rc"] == 5
+    assert status["hangs"]["status"] == "timeout-init" and status["hangs"]["rc"] == 124
+    ev = _events(log)
+    assert "measure" in ev["ok"] and "measure" not in ev["hangs"]
+    # The deadline cuts a measurement short, and a wave too close to it does not start.
+    other = tmp_path / "deadline"
+    other.mkdir()
+    jobs, log = _fake_jobs(other, [("slow", {"measure_s": 30}), ("late", {})])
+    t0 = time.monotonic()
+    status = vo.run_waves(jobs, 1, init_timeout=60, measure_timeout=60, deadline=t0 + 5, min_left=3,
+                          log=lambda m: None)
+    assert status["slow"]["status"] == "timeout-measure" and status["slow"]["rc"] == 124
+    assert time.monotonic() - t0 < 15
+    assert status["late"] == {"rc": None, "status": "not-started", "s": 0.0}
