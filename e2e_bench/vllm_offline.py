@@ -267,7 +267,8 @@ def aggregate(results: list[dict], reference: tuple[str, str] = REFERENCE) -> li
         mode = f"pc-{r['prefix_caching']}"
         base = {"impl": r["backend"], "mode": mode}
         engine = {"op": "vllm-engine", **base, "ok": r.get("ok", False), "init_s": r.get("init_s"),
-                  "error": r.get("error")}
+                  "measure_s": r.get("measure_s"), "gdn_layers_gated": r.get("gdn_layers_gated"),
+                  "jit_events": r.get("jit_events"), "error": r.get("error")}
         if "qla" in r:
             engine["qla"] = r["qla"]
         rows.append(engine)
@@ -316,6 +317,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines += ["## Engines", "", "| backend | prefix caching | ok | init s | notes |", "|---|---|---|---|---|"]
     for r in eng:
         note = r.get("error") or ""
+        if r.get("jit_events"):
+            note = f"vLLM JIT monitor after warm-up: {len(r['jit_events'])} event(s), first: {r['jit_events'][0]}; " + note
         if "qla" in r:
             q = r["qla"]
             note = (f"qla prefill calls {q.get('prefill_calls')}, decode calls {q.get('decode_calls')} "
@@ -610,7 +613,9 @@ def run_waves(jobs: list[dict], parallel: int, *, init_timeout: float, measure_t
     Args:
         jobs: in start order, each a dict with ``label``, ``cmd`` (argv), ``env`` (or None),
             ``ready_file`` and ``go_file`` (paths; the worker writes the first once its engine
-            is built, :func:`signal_ready`, and measures once the second exists, :func:`wait_for_go`).
+            is built, :func:`signal_ready`, and measures once the second exists, :func:`wait_for_go`),
+            and optionally ``log`` (a file for the worker's stdout and stderr, so engines side by
+            side do not interleave their output).
         parallel: processes per wave (1: one run after another).
         init_timeout: seconds a wave may take until every member is ready or has exited.
         measure_timeout: seconds one run may take after its go.
@@ -639,8 +644,15 @@ def run_waves(jobs: list[dict], parallel: int, *, init_timeout: float, measure_t
         for j in wave:
             for f in (j["ready_file"], j["go_file"]):
                 pathlib.Path(f).unlink(missing_ok=True)
-            log(f"[{j['label']}] starting")
-            procs.append((j, subprocess.Popen(j["cmd"], env=j.get("env"), start_new_session=True), time.monotonic()))
+            log(f"[{j['label']}] starting" + (f" (output: {j['log']})" if j.get("log") else ""))
+            out = open(j["log"], "w") if j.get("log") else None  # noqa: SIM115 - the child holds it
+            try:
+                proc = subprocess.Popen(j["cmd"], env=j.get("env"), start_new_session=True, stdout=out,
+                                        stderr=subprocess.STDOUT if out else None)
+            finally:
+                if out is not None:
+                    out.close()
+            procs.append((j, proc, time.monotonic()))
         init_end = time.monotonic() + init_timeout
         if deadline is not None:
             init_end = min(init_end, deadline)
@@ -886,13 +898,22 @@ def main(argv=None) -> int:
                     "ready_file": str(work / f"{label}.ready"), "go_file": str(work / f"{label}.go")}
             spec_path = work / f"{label}-spec.json"
             spec_path.write_text(json.dumps(spec))
-            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
+            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1",
+                       # Engines started side by side look for their torch.distributed port from
+                       # distinct starts instead of racing for the same free one.
+                       VLLM_PORT=str(31000 + 100 * len(jobs)))
             if b == QLA_BACKEND:
                 env["QLA_STRICT"] = "1"
             jobs.append({"label": label, "cmd": [sys.executable, os.path.abspath(__file__), "--worker", str(spec_path)],
-                         "env": env, "ready_file": spec["ready_file"], "go_file": spec["go_file"]})
+                         "env": env, "ready_file": spec["ready_file"], "go_file": spec["go_file"],
+                         "log": str(work / f"{label}.log")})
         status = run_waves(jobs, args.parallel, init_timeout=args.timeout, measure_timeout=args.timeout,
                            deadline=deadline, log=lambda m: print(m, flush=True))
+        for job in jobs:
+            st, log_path = status.get(job["label"], {}), pathlib.Path(job["log"])
+            if st.get("rc") not in (0, None) and log_path.exists():
+                tail = log_path.read_text(errors="replace").splitlines()[-40:]
+                print(f"[{job['label']}] exit {st['rc']}; the end of its output:\n  " + "\n  ".join(tail), flush=True)
         for (b, pc), label in ((r, run_label(*r)) for r in runs):
             st, raw = status.get(label), work / f"{label}.json"
             if st is None or st["status"] == "not-started" or raw.exists():
@@ -918,8 +939,13 @@ def main(argv=None) -> int:
     rows = aggregate(results)
     path = write_outputs(out_dir, meta, rows, {run_label(r["backend"], r["prefix_caching"]): r.get("agreement")
                                                for r in results})
+    worker_logs = [(label, work / f"{label}.log") for label in (run_label(*r) for r in runs)]
+    with open(path.with_name(path.stem + "-workers.log"), "w") as f:  # every engine's output, one after another
+        for label, log_path in worker_logs:
+            if log_path.exists():
+                f.write(f"===== {label} =====\n{log_path.read_text(errors='replace')}\n")
     print(path.with_suffix(".md").read_text())
-    print(f"wrote {path}")
+    print(f"wrote {path} (+ .md, -tokens.json, -workers.log)")
     if failed:
         print("FAILED runs:\n  " + "\n  ".join(failed), file=sys.stderr)
         qla_failed = any(f.startswith(QLA_BACKEND) and "flashqla check failed" in f for f in failed)

@@ -272,6 +272,7 @@ def note(event):
     with open(spec["log"], "a") as f:
         f.write(json.dumps([spec["label"], event, time.monotonic()]) + "\\n")
 note("start")
+print("output of", spec["label"], flush=True)
 time.sleep(spec["build_s"])
 if spec.get("fail_build"):
     sys.exit(5)
@@ -296,7 +297,8 @@ def _fake_jobs(tmp_path, runs):
         path = tmp_path / f"{label}.json"
         path.write_text(json.dumps(spec))
         jobs.append({"label": label, "cmd": [sys.executable, str(script), str(path)], "env": None,
-                     "ready_file": spec["ready_file"], "go_file": spec["go_file"]})
+                     "ready_file": spec["ready_file"], "go_file": spec["go_file"],
+                     "log": str(tmp_path / f"{label}.out")})
     return jobs, log
 
 
@@ -326,6 +328,8 @@ def test_run_waves_builds_side_by_side_and_measures_one_at_a_time(vo, tmp_path):
     assert all(end <= nxt for (_, end, _), (nxt, _, _) in zip(spans, spans[1:]))
     # Waves do not overlap.
     assert max(ev[x]["end"] for x in wave1) < min(ev[x]["start"] for x in wave2)
+    # Each worker's output went to its own file.
+    assert all((tmp_path / f"{x}.out").read_text() == f"output of {x}\n" for x in "abcde")
 
 
 def test_run_waves_failures_timeouts_and_deadline(vo, tmp_path):
