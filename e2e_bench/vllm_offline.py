@@ -700,6 +700,7 @@ def parse_args(argv):
     p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="both")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
     p.add_argument("--out-dir", default=None, help="results folder (default e2e_bench/results)")
+    p.add_argument("--tag", default="", help="appended to the results' file names (a second run of the same day)")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "qla-vllm-offline"),
                    help="model config and raw per-run results (default: %(default)s)")
     p.add_argument("--reuse", action="store_true", help="skip runs whose raw result in --work-dir is ok")
@@ -795,12 +796,13 @@ def _meta(args, argv, gpu: str | None) -> dict:
     return meta
 
 
-def write_outputs(out_dir: str | os.PathLike, meta: dict, rows: list[dict], tokens: dict) -> pathlib.Path:
-    """``<date>-<gpu>-vllm-offline.json`` (+ ``.md``, + ``-tokens.json``) under ``out_dir``."""
+def write_outputs(out_dir: str | os.PathLike, meta: dict, rows: list[dict], tokens: dict, tag: str = "") -> pathlib.Path:
+    """``<date>-<gpu>-vllm-offline[-<tag>].json`` (+ ``.md``, + ``-tokens.json``) under ``out_dir``."""
     slug = re.sub(r"[^a-z0-9]+", "-", meta["gpu"].lower()).strip("-")
+    suffix = re.sub(r"[^a-z0-9]+", "-", tag.lower()).strip("-")
     directory = pathlib.Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{meta['date']}-{slug}-vllm-offline.json"
+    path = directory / f"{meta['date']}-{slug}-vllm-offline{'-' + suffix if suffix else ''}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     path.with_suffix(".md").write_text(markdown(meta, rows))
     path.with_name(path.stem + "-tokens.json").write_text(json.dumps(tokens) + "\n")
@@ -874,7 +876,7 @@ def main(argv=None) -> int:
                            "prompt_lens": [len(p) for p in prompts]}
         rows = aggregate(results)
         path = write_outputs(out_dir, meta, rows, {run_label(r["backend"], r["prefix_caching"]): r["agreement"]
-                                                   for r in results})
+                                                   for r in results}, tag=args.tag)
         print(f"[dry-run] wrote {path} (synthetic outputs)")
         return 0
 
@@ -938,7 +940,7 @@ def main(argv=None) -> int:
     meta = _meta(args, argv, gpu)
     rows = aggregate(results)
     path = write_outputs(out_dir, meta, rows, {run_label(r["backend"], r["prefix_caching"]): r.get("agreement")
-                                               for r in results})
+                                               for r in results}, tag=args.tag)
     worker_logs = [(label, work / f"{label}.log") for label in (run_label(*r) for r in runs)]
     with open(path.with_name(path.stem + "-workers.log"), "w") as f:  # every engine's output, one after another
         for label, log_path in worker_logs:

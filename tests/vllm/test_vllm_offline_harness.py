@@ -173,9 +173,12 @@ def test_dry_run_writes_results(vo, tmp_path, registered):
 def test_dry_run_state_dtype_memory_and_throughput_runs(vo, tmp_path, registered):
     out, work = tmp_path / "out", tmp_path / "work"
     rc = vo.main(["--dry-run", "--out-dir", str(out), "--work-dir", str(work), "--backends", "triton", "flashqla",
-                  "--num-prompts", "2", "--max-len", "300", "--tp-prompts", "2", "--tp-len", "512", "--parallel", "2"])
+                  "--num-prompts", "2", "--max-len", "300", "--tp-prompts", "2", "--tp-len", "512", "--parallel", "2",
+                  "--tag", "Side by side"])
     assert rc == 0
-    data = json.loads(next(out.glob("*-vllm-offline.json")).read_text())
+    (path,) = out.glob("*-vllm-offline-side-by-side.json")
+    assert path.with_suffix(".md").exists()
+    data = json.loads(path.read_text())
     configs = data["meta"]["dry_run"]["engine_configs"]
     # The released Qwen3.5 checkpoints keep the recurrent state in float32 (mamba_ssm_dtype).
     assert {c["state_dtype"] for c in configs.values()} == {"float32"}
