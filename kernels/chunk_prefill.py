@@ -1,32 +1,39 @@
 """Chunked gated-delta-rule prefill forward for SM90, in TileLang.
 
-The math is ``docs/design.md``'s chunked form with 64-token chunks. Three kernels, each
-compiled once per static configuration (head counts, dtypes, pool dtype, flags); the
-token count, the number of sequences and their lengths are runtime values read from the
-plan's device tables, so a new batch composition compiles nothing and syncs nothing.
+The math is ``docs/design.md``'s chunked form with 64-token chunks, rearranged so that the
+only per-chunk matrix the serial pass needs from a preparation step is ``T diag(beta)``:
+with ``T = (I + A)^-1`` and the state ``h`` entering the chunk,
+``v' = u - w h = T diag(beta) (v - exp(G) k h)``. Two kernels, each compiled once per static
+configuration (head counts, dtypes, pool dtype, flags); the token count, the number of
+sequences and their lengths are runtime values read from the plan's device tables, so a new
+batch composition compiles nothing and syncs nothing.
 
-* ``prep``  — grid (chunk, value head): gate cumsum inside the chunk, optional q/k L2 norm
-  of k, ``A = strict_lower(beta k k^T exp(G_i - G_j))``, ``T = (I + A)^-1`` (16x16 diagonal
-  blocks by forward substitution in registers, merged with four tf32 products), then
-  ``w = T (beta exp(G) k)`` and ``u = T (beta v)``. Fully parallel over chunks.
-* ``state`` — grid (V slice, value head, sequence): the serial chunk-to-chunk pass. TileLang
-  warp-specializes it: a TMA producer warpgroup double-buffers the next chunk's w, k and u
-  while the consumer warpgroup runs the two wgmma products and the gating. Reads the
-  initial state straight from the engine's pool, writes each chunk's entering
-  state ``h`` and ``v' = u - w h`` to workspaces, checkpoints at the plan's chunk
-  boundaries and the final state back into the pool in place. The state rows (V) are
-  independent, so V is split across blocks for parallelism.
-* ``output`` — grid (chunk, value head): ``o = scale ((q exp(G)) h + lower_incl(q k^T
-  exp(G_i - G_j)) v')``. Fully parallel over chunks.
+* ``prep`` — grid (chunk, value head), fully parallel: gate cumsum inside the chunk, q/k L2
+  norm (written once per q/k head), ``A = strict_lower(beta k k^T exp(G_i - G_j))``,
+  ``T = (I + A)^-1`` (16x16 diagonal blocks by forward substitution in registers, merged with
+  four tf32 products), ``T diag(beta)`` — 8 KiB per chunk and head, in a per-chunk table
+  ``[chunks, HV, 64, 64]`` next to the gate cumsum ``[chunks, HV, 64]``.
+* ``chunk_fwd`` — grid (V slice, value head, work item): the serial chunk-to-chunk pass with
+  the output fused in, the state kept in registers (fp32) for the whole item. TileLang
+  warp-specializes it: a TMA producer warpgroup prefetches the next chunks' q, k, v,
+  ``T diag(beta)`` and gates while the consumer warpgroups run six wgmma products per chunk
+  (``k h``, ``q h``, ``q k^T``, ``T diag(beta) (v - exp(G) k h)``, ``P v'``, the state update)
+  and the element-wise gating; full chunks' outputs leave by TMA store. No per-chunk state
+  goes to memory: the initial state is read from the engine's pool, the final state written
+  back in place, checkpoints written at the plan's chunk boundaries.
 
-Sub-sequences (AutoCP): ``state`` only needs, per sequence, its token range, its first chunk
-row and a start state; cutting a sequence into pieces with their own start states is a
-matter of the tables it is given, the kernel is unchanged.
+Work items and AutoCP: ``chunk_fwd`` runs one item per block column, ``(sequence, first
+chunk, first output chunk, end chunk)`` from the plan. Without context parallelism an item
+is a whole sequence. With it (``qla_serving.ops.gated_delta_rule.context_parallel``), a
+long sequence is several items that run side by side; an item starting inside the sequence
+begins from a zero state a few warm-up chunks before its first output chunk. Whether that
+warm-up is exact enough is decided in the kernel, per head, from the actual gates: where the
+window's total log decay is above the threshold, the item replays from the sequence start
+instead (exact, no speedup for that head).
 
-The bf16/fp16 matrix products are ``T.gemm`` on 64-row tiles with one warpgroup of 128
-threads, lowered to wgmma (HGMMA in the SASS: prep 16, state 12, output 20 per kernel); the
-four 64x64 tf32 products of the triangular merge run on mma.sync (HMMA), as TileLang 0.1.15
-lowers fp32 operands.
+All matrix products are ``T.gemm`` on 64-row tiles, lowered to wgmma (HGMMA in the SASS)
+except the four 64x64 tf32 products of the triangular merge in ``prep``, which TileLang
+0.1.15 lowers to mma.sync (HMMA) as it does for fp32 operands.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel signatures' annotations.
@@ -36,11 +43,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.gated_delta_rule.context_parallel import LOG_DECAY_THRESHOLD
 from .configs import PREFILL_CONFIGS
 
 CHUNK = 64
 HEAD_DIM = 128
 L2NORM_EPS = 1e-6
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): one MUFU instruction
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -87,7 +96,7 @@ def _pass_configs():
 def _build_prep(cfg: PrefillStaticConfig, threads: int):
     import tilelang.language as T
 
-    H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
+    H, HV, K, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, CHUNK
     ratio = HV // H
     dt, bdt, f32 = cfg.dtype, cfg.beta_dtype, "float32"
     l2 = cfg.use_qk_l2norm
@@ -98,15 +107,15 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int):
 
     @T.prim_func
     def prep(
+        q: T.Tensor((NT, H, K), dt),
         k: T.Tensor((NT, H, K), dt),
-        v: T.Tensor((NT, HV, V), dt),
         g: T.Tensor((NT, HV), f32),
         beta: T.Tensor((NT, HV), bdt),
         cu_seqlens: T.Tensor((NS1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
-        w: T.Tensor((NT, HV, K), dt),
-        u: T.Tensor((NT, HV, V), dt),
-        g_cum: T.Tensor((NT, HV), f32),
+        t_beta: T.Tensor((NC, HV, C, C), dt),
+        g_cum: T.Tensor((NC, HV, C), f32),
+        q_normed: T.Tensor((NT, H, K), dt),
         k_normed: T.Tensor((NT, H, K), dt),
     ):
         with T.Kernel(NC, HV, threads=threads) as (ic, hv):
@@ -115,11 +124,10 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int):
             bos = cu_seqlens[seq] + chunk_indices[ic, 1] * C
             L = T.min(cu_seqlens[seq + 1] - bos, C)
 
-            k_f = T.alloc_fragment((C, K), f32)
+            x_f = T.alloc_fragment((C, K), f32)
+            sq_f = T.alloc_fragment((C, K), f32)
             sq = T.alloc_fragment((C,), f32)
             k_s = T.alloc_shared((C, K), dt)
-            kb_s = T.alloc_shared((C, K), dt)
-            vb_s = T.alloc_shared((C, V), dt)
             g_s = T.alloc_shared((C,), f32)
             G_s = T.alloc_shared((C,), f32)
             b_s = T.alloc_shared((C,), f32)
@@ -130,50 +138,57 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int):
             X_s = T.alloc_shared((C, C), f32)  # a left-hand operand
             P_f = T.alloc_fragment((C, C), f32)
             Q_f = T.alloc_fragment((C, C), f32)
-            Tm_s = T.alloc_shared((C, C), dt)
             col = T.alloc_local((BLK,), f32)
-            wk_f = T.alloc_fragment((C, K), f32)
-            uv_f = T.alloc_fragment((C, V), f32)
 
-            # ---- loads, zero past the chunk's end (exactly the reference's padding)
+            # ---- q (one block per q/k head writes it) and k: loaded, zero past the chunk's end,
+            # L2-normalised in fp32
+            if l2:
+                if hv % ratio == 0:
+                    for i, d in T.Parallel(C, K):
+                        x_f[i, d] = T.if_then_else(i < L, T.cast(q[bos + i, hk, d], f32), 0.0)
+                    for i, d in T.Parallel(C, K):
+                        sq_f[i, d] = x_f[i, d] * x_f[i, d]
+                    T.reduce_sum(sq_f, sq, dim=1)
+                    for i, d in T.Parallel(C, K):
+                        if i < L:
+                            q_normed[bos + i, hk, d] = x_f[i, d] * T.rsqrt(sq[i] + L2NORM_EPS)
             for i, d in T.Parallel(C, K):
-                k_f[i, d] = T.if_then_else(i < L, T.cast(k[bos + i, hk, d], f32), 0.0)
-            for i in T.Parallel(C):
-                g_s[i] = T.if_then_else(i < L, g[bos + i, hv], 0.0)
-                b_s[i] = T.if_then_else(i < L, T.cast(beta[bos + i, hv], f32), 0.0)
+                x_f[i, d] = T.if_then_else(i < L, T.cast(k[bos + i, hk, d], f32), 0.0)
             if l2:
                 for i, d in T.Parallel(C, K):
-                    wk_f[i, d] = k_f[i, d] * k_f[i, d]
-                T.reduce_sum(wk_f, sq, dim=1)
+                    sq_f[i, d] = x_f[i, d] * x_f[i, d]
+                T.reduce_sum(sq_f, sq, dim=1)
                 for i, d in T.Parallel(C, K):
-                    k_f[i, d] = k_f[i, d] * T.rsqrt(sq[i] + L2NORM_EPS)
-            T.copy(k_f, k_s)
+                    x_f[i, d] = x_f[i, d] * T.rsqrt(sq[i] + L2NORM_EPS)
+            T.copy(x_f, k_s)
             if l2:
                 if hv % ratio == 0:
                     for i, d in T.Parallel(C, K):
                         if i < L:
                             k_normed[bos + i, hk, d] = k_s[i, d]
-            # inclusive cumsum of the gate inside the chunk (64 terms; cheap, exact order)
             for i in T.Parallel(C):
-                G_s[i] = 0.0
+                g_s[i] = T.if_then_else(i < L, g[bos + i, hv], 0.0)
+                b_s[i] = T.if_then_else(i < L, T.cast(beta[bos + i, hv], f32), 0.0)
+            # inclusive cumsum of the gate inside the chunk: thread i sums in a register
+            tx = T.get_thread_binding()
+            if tx < C:
+                acc = T.alloc_var(f32)
+                acc = 0.0
                 for j in T.serial(C):
-                    if j <= i:
-                        G_s[i] = G_s[i] + g_s[j]
-            for i in T.Parallel(C):
-                if i < L:
-                    g_cum[bos + i, hv] = G_s[i]
+                    if j <= tx:
+                        acc = acc + g_s[j]
+                G_s[tx] = acc
+                g_cum[ic, hv, tx] = acc  # past the chunk's end g = 0: G stays flat
 
             # ---- A = strict_lower(beta_i k_i.k_j exp(G_i - G_j))
             T.gemm(k_s, k_s, A_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
                 A_s[i, j] = T.if_then_else(i > j, A_f[i, j] * b_s[i] * T.exp(G_s[i] - G_s[j]), 0.0)
+                Dinv_s[i, j] = 0.0
 
             # ---- inverse of the 16x16 diagonal blocks of (I + A), forward substitution:
             # thread tx < 64 owns column tx % 16 of block tx // 16 and keeps it in registers,
             # so the 16 steps need no barrier.
-            for i, j in T.Parallel(C, C):
-                Dinv_s[i, j] = 0.0
-            tx = T.get_thread_binding()
             if tx < C:
                 for s in T.unroll(BLK):
                     col[s] = T.if_then_else(tx % BLK == s, 1.0, 0.0)
@@ -202,26 +217,16 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int):
                 X_s[i, j] = Q_f[i, j]
                 Bt_s[j, i] = Dinv_s[i, j]
             T.gemm(X_s, Bt_s, P_f, transpose_B=True, clear_accum=True)  # T = R D^-1
-            T.copy(P_f, Tm_s)
 
-            # ---- w = T (beta exp(G) k), u = T (beta v)
-            for i, d in T.Parallel(C, K):
-                kb_s[i, d] = k_f[i, d] * b_s[i] * T.exp(G_s[i])
-            for i, d in T.Parallel(C, V):
-                vb_s[i, d] = T.if_then_else(i < L, T.cast(v[bos + i, hv, d], f32) * b_s[i], 0.0)
-            T.gemm(Tm_s, kb_s, wk_f, clear_accum=True)
-            T.gemm(Tm_s, vb_s, uv_f, clear_accum=True)
-            for i, d in T.Parallel(C, K):
-                if i < L:
-                    w[bos + i, hv, d] = wk_f[i, d]
-            for i, d in T.Parallel(C, V):
-                if i < L:
-                    u[bos + i, hv, d] = uv_f[i, d]
+            # ---- T diag(beta): v' = T diag(beta) (v - exp(G) k h) needs only this matrix
+            # (rows past the chunk's end are zero: there k = 0 and beta = 0)
+            for i, j in T.Parallel(C, C):
+                t_beta[ic, hv, i, j] = P_f[i, j] * b_s[j]
 
     return prep
 
 
-def _build_state(cfg: PrefillStaticConfig, block_v: int, threads: int, num_stages: int):
+def _build_chunk_fwd(cfg: PrefillStaticConfig, block_v: int, threads: int, num_stages: int):
     import tilelang.language as T
 
     H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
@@ -229,163 +234,148 @@ def _build_state(cfg: PrefillStaticConfig, block_v: int, threads: int, num_stage
     dt, pdt, f32 = cfg.dtype, cfg.pool_dtype, "float32"
     BV = block_v
     NT = T.dynamic("num_tokens", "int64")
+    NW = T.dynamic("num_work_items")
     NC = T.dynamic("num_chunks", "int64")
     NS = T.dynamic("num_seqs")
     NS1 = T.dynamic("num_seqs_plus_one")
     NP = T.dynamic("pool_elems", "int64")
+    NP0 = T.dynamic("h0_pool_elems", "int64")
     NCK = T.dynamic("num_ckpt_rows", "int64")
 
     @T.prim_func
-    def state(
-        w: T.Tensor((NT, HV, K), dt),
-        u: T.Tensor((NT, HV, V), dt),
+    def chunk_fwd(
+        q_normed: T.Tensor((NT, H, K), dt),
         k_normed: T.Tensor((NT, H, K), dt),
-        g_cum: T.Tensor((NT, HV), f32),
+        v: T.Tensor((NT, HV, V), dt),
+        t_beta: T.Tensor((NC, HV, C, C), dt),
+        g_cum: T.Tensor((NC, HV, C), f32),
         cu_seqlens: T.Tensor((NS1,), "int32"),
         chunk_offsets: T.Tensor((NS1,), "int32"),
+        work_items: T.Tensor((NW, 4), "int32"),
         ckpt_offsets: T.Tensor((NS1,), "int32"),
-        state_indices: T.Tensor((NS,), "int32"),
         has_initial_state: T.Tensor((NS,), "uint8"),
+        h0_slots: T.Tensor((NS,), "int32"),
+        h0_pool: T.Tensor((NP0,), pdt),
+        h0_slot_stride: T.int64,
+        state_indices: T.Tensor((NS,), "int32"),
         pool: T.Tensor((NP,), pdt),
         slot_stride: T.int64,
         ckpt_every_chunks: T.int32,
         checkpoints: T.Tensor((NCK, HV, V, K), pdt),
-        h_chunks: T.Tensor((NC, HV, V, K), dt),
-        v_new: T.Tensor((NT, HV, V), dt),
-    ):
-        with T.Kernel(V // BV, HV, NS, threads=threads) as (iv, hv, n):
-            hk = hv // ratio
-            bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
-            nchunks = T.ceildiv(eos - bos, C)
-            first_chunk = chunk_offsets[n]
-            base = T.cast(state_indices[n], "int64") * slot_stride + hv * (V * K) + iv * (BV * K)
-
-            S_f = T.alloc_fragment((BV, K), f32)
-            S_s = T.alloc_shared((BV, K), dt)
-            w_s = T.alloc_shared((C, K), dt)
-            k_s = T.alloc_shared((C, K), dt)
-            G_s = T.alloc_shared((C,), f32)
-            vn_f = T.alloc_fragment((C, BV), f32)
-            vn_s = T.alloc_shared((C, BV), dt)
-            u_s = T.alloc_shared((C, BV), dt)
-            g_last = T.alloc_var(f32)
-
-            if has_initial_state[n] != 0:
-                for i, d in T.Parallel(BV, K):
-                    S_f[i, d] = T.cast(pool[base + i * K + d], f32)
-            else:
-                T.clear(S_f)
-
-            # Rows past a short last chunk hold the next sequence's data (or TMA's zero fill past
-            # the end): they are loaded unmasked, so the copies can be asynchronous and pipelined,
-            # and neutralised in registers (v' rows >= L set to zero before the state update).
-            for c in T.Pipelined(nchunks, num_stages=num_stages):
-                cs = bos + c * C
-                L = T.min(eos - cs, C)
-                T.copy(w[cs : cs + C, hv, :], w_s)
-                T.copy(k_normed[cs : cs + C, hk, :], k_s)
-                T.copy(u[cs : cs + C, hv, iv * BV : (iv + 1) * BV], u_s)
-                T.copy(g_cum[cs : cs + C, hv], G_s)
-                T.copy(S_f, S_s)
-                # the state entering this chunk, for the output kernel
-                T.copy(S_s, h_chunks[first_chunk + c, hv, iv * BV : (iv + 1) * BV, :])
-                # v' = u - w h   (w h = w S^T with the V x K state S)
-                T.gemm(w_s, S_s, vn_f, transpose_B=True, clear_accum=True)
-                g_last = G_s[L - 1]
-                for i, j in T.Parallel(C, BV):
-                    vn_f[i, j] = T.if_then_else(i < L, T.cast(u_s[i, j], f32) - vn_f[i, j], 0.0)
-                for i, j in T.Parallel(C, BV):
-                    if i < L:
-                        v_new[cs + i, hv, iv * BV + j] = vn_f[i, j]
-                # S' = exp(G_last) S + (v' exp(G_last - G))^T k
-                for i, j in T.Parallel(C, BV):
-                    vn_s[i, j] = T.if_then_else(i < L, vn_f[i, j] * T.exp(g_last - G_s[i]), 0.0)
-                for i, d in T.Parallel(BV, K):
-                    S_f[i, d] = S_f[i, d] * T.exp(g_last)
-                T.gemm(vn_s, k_s, S_f, transpose_A=True)
-                if ckpt_every_chunks > 0:
-                    if L == C and (c + 1) % ckpt_every_chunks == 0:
-                        row = ckpt_offsets[n] + (c + 1) // ckpt_every_chunks - 1
-                        for i, d in T.Parallel(BV, K):
-                            checkpoints[row, hv, iv * BV + i, d] = S_f[i, d]
-
-            for i, d in T.Parallel(BV, K):
-                pool[base + i * K + d] = S_f[i, d]
-
-    return state
-
-
-def _build_output(cfg: PrefillStaticConfig, threads: int):
-    import tilelang.language as T
-
-    H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
-    ratio = HV // H
-    dt, f32 = cfg.dtype, "float32"
-    l2 = cfg.use_qk_l2norm
-    NT = T.dynamic("num_tokens", "int64")
-    NC = T.dynamic("num_chunks", "int64")
-    NS1 = T.dynamic("num_seqs_plus_one")
-
-    @T.prim_func
-    def output(
-        q: T.Tensor((NT, H, K), dt),
-        k_normed: T.Tensor((NT, H, K), dt),
-        v_new: T.Tensor((NT, HV, V), dt),
-        g_cum: T.Tensor((NT, HV), f32),
-        h_chunks: T.Tensor((NC, HV, V, K), dt),
-        cu_seqlens: T.Tensor((NS1,), "int32"),
-        chunk_indices: T.Tensor((NC, 2), "int32"),
+        warmup_log_threshold: T.float32,
         scale: T.float32,
         o: T.Tensor((NT, HV, V), dt),
     ):
-        with T.Kernel(NC, HV, threads=threads) as (ic, hv):
+        with T.Kernel(V // BV, HV, NW, threads=threads) as (iv, hv, wi):
             hk = hv // ratio
-            seq = chunk_indices[ic, 0]
-            bos = cu_seqlens[seq] + chunk_indices[ic, 1] * C
-            L = T.min(cu_seqlens[seq + 1] - bos, C)
+            n = work_items[wi, 0]
+            out_chunk = work_items[wi, 2]
+            end_chunk = work_items[wi, 3]
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            row0 = chunk_offsets[n]  # the sequence's first row in the per-chunk tables
+            base = T.cast(state_indices[n], "int64") * slot_stride + hv * (V * K) + iv * (BV * K)
+            base0 = T.cast(h0_slots[n], "int64") * h0_slot_stride + hv * (V * K) + iv * (BV * K)
 
-            q_f = T.alloc_fragment((C, K), f32)
-            sq_f = T.alloc_fragment((C, K), f32)
-            sq = T.alloc_fragment((C,), f32)
+            S_f = T.alloc_fragment((BV, K), f32)
+            S_s = T.alloc_shared((BV, K), dt)
             q_s = T.alloc_shared((C, K), dt)
-            qg_s = T.alloc_shared((C, K), dt)
             k_s = T.alloc_shared((C, K), dt)
-            h_s = T.alloc_shared((V, K), dt)
-            vn_s = T.alloc_shared((C, V), dt)
+            v_s = T.alloc_shared((C, BV), dt)
+            t_s = T.alloc_shared((C, C), dt)
             G_s = T.alloc_shared((C,), f32)
-            a_f = T.alloc_fragment((C, C), f32)
-            a_s = T.alloc_shared((C, C), dt)
-            o_f = T.alloc_fragment((C, V), f32)
+            x_f = T.alloc_fragment((C, BV), f32)
+            o_f = T.alloc_fragment((C, BV), f32)
+            p_f = T.alloc_fragment((C, C), f32)
+            p_s = T.alloc_shared((C, C), dt)
+            wv_s = T.alloc_shared((C, BV), dt)
+            vn_s = T.alloc_shared((C, BV), dt)
+            o_s = T.alloc_shared((C, BV), dt)
+            eg_s = T.alloc_shared((C,), f32)
+            erev_s = T.alloc_shared((C,), f32)
+            first = T.alloc_var("int32")
+            decay = T.alloc_var(f32)
+            g_last = T.alloc_var(f32)
 
-            for i, d in T.Parallel(C, K):
-                q_f[i, d] = T.if_then_else(i < L, T.cast(q[bos + i, hk, d], f32), 0.0)
-                k_s[i, d] = T.if_then_else(i < L, k_normed[bos + i, hk, d], T.cast(0, dt))
-            for i, d in T.Parallel(C, V):
-                vn_s[i, d] = T.if_then_else(i < L, v_new[bos + i, hv, d], T.cast(0, dt))
-            for i in T.Parallel(C):
-                G_s[i] = T.if_then_else(i < L, g_cum[bos + i, hv], 0.0)
-            T.copy(h_chunks[ic, hv, :, :], h_s)
-            if l2:
-                for i, d in T.Parallel(C, K):
-                    sq_f[i, d] = q_f[i, d] * q_f[i, d]
-                T.reduce_sum(sq_f, sq, dim=1)
-                for i, d in T.Parallel(C, K):
-                    q_f[i, d] = q_f[i, d] * T.rsqrt(sq[i] + L2NORM_EPS)
-            T.copy(q_f, q_s)
-            for i, d in T.Parallel(C, K):
-                qg_s[i, d] = q_f[i, d] * T.exp(G_s[i])
+            # AutoCP: a work item starting after its sequence's first chunk begins from a zero
+            # state and replays the warm-up chunks [first, out_chunk) without output. Where this
+            # head's gate did not decay below the threshold over that window, the warm-up would
+            # not be exact enough: the item replays from the sequence start instead (exact).
+            first = work_items[wi, 1]
+            if first > 0:
+                decay = 0.0
+                for c in T.serial(out_chunk - first):
+                    decay = decay + g_cum[row0 + first + c, hv, C - 1]
+                if decay > warmup_log_threshold:
+                    first = 0
 
-            T.gemm(qg_s, h_s, o_f, transpose_B=True, clear_accum=True)  # (q exp(G)) h
-            T.gemm(q_s, k_s, a_f, transpose_B=True, clear_accum=True)  # q k^T
-            for i, j in T.Parallel(C, C):
-                a_s[i, j] = T.if_then_else(i >= j, a_f[i, j] * T.exp(G_s[i] - G_s[j]), 0.0)
-            T.gemm(a_s, vn_s, o_f)
-            for i, d in T.Parallel(C, V):
-                if i < L:
-                    o[bos + i, hv, d] = o_f[i, d] * scale
+            if first == 0 and has_initial_state[n] != 0:
+                for i, d in T.Parallel(BV, K):
+                    S_f[i, d] = T.cast(h0_pool[base0 + i * K + d], f32)
+            else:
+                T.clear(S_f)
 
-    return output
+            # Rows past a short last chunk hold the next sequence's tokens (or TMA's zero fill
+            # past the end): loaded unmasked so the copies stay asynchronous, neutralised below.
+            for c in T.Pipelined(end_chunk - first, num_stages=num_stages):
+                ci = first + c
+                cs = bos + ci * C
+                L = T.min(eos - cs, C)
+                T.copy(q_normed[cs : cs + C, hk, :], q_s)
+                T.copy(k_normed[cs : cs + C, hk, :], k_s)
+                T.copy(v[cs : cs + C, hv, iv * BV : (iv + 1) * BV], v_s)
+                T.copy(t_beta[row0 + ci, hv, :, :], t_s)
+                T.copy(g_cum[row0 + ci, hv, :], G_s)
+                T.copy(S_f, S_s)
+                # per-row decays once per chunk (the element-wise passes below only multiply):
+                # exp(G_i), and exp(G_last - G_i) zeroed past the chunk's end
+                g_last = G_s[L - 1]
+                for i in T.Parallel(C):
+                    eg_s[i] = T.exp2(G_s[i] * LOG2E)
+                    erev_s[i] = T.if_then_else(i < L, T.exp2((g_last - G_s[i]) * LOG2E), 0.0)
+                # k h and q h (h = S^T for the V x K state S), q k^T
+                T.gemm(k_s, S_s, x_f, transpose_B=True, clear_accum=True)
+                T.gemm(q_s, S_s, o_f, transpose_B=True, clear_accum=True)
+                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                # v - exp(G) k h, zero past the chunk's end (t_beta's columns there are zero, but
+                # the next sequence's rows loaded there must not meet them as inf * 0)
+                for i, j in T.Parallel(C, BV):
+                    wv_s[i, j] = T.if_then_else(i < L, T.cast(v_s[i, j], f32) - eg_s[i] * x_f[i, j], 0.0)
+                for i, j in T.Parallel(C, C):
+                    p_s[i, j] = T.if_then_else(T.And(i >= j, j < L), p_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E), 0.0)
+                # v' = T diag(beta) (v - exp(G) k h); rows past the end come out zero
+                T.gemm(t_s, wv_s, x_f, clear_accum=True)
+                T.copy(x_f, vn_s)
+                # o = scale (exp(G) q h + P v')
+                for i, j in T.Parallel(C, BV):
+                    o_f[i, j] = o_f[i, j] * eg_s[i]
+                T.gemm(p_s, vn_s, o_f)
+                if ci >= out_chunk:
+                    if L == C:  # a full chunk: staged in shared memory and stored by TMA
+                        for i, j in T.Parallel(C, BV):
+                            o_s[i, j] = o_f[i, j] * scale
+                        T.copy(o_s, o[cs : cs + C, hv, iv * BV : (iv + 1) * BV])
+                    else:
+                        for i, j in T.Parallel(C, BV):
+                            if i < L:
+                                o[cs + i, hv, iv * BV + j] = o_f[i, j] * scale
+                # S' = exp(G_last) S + (v' exp(G_last - G))^T k
+                for i, j in T.Parallel(C, BV):
+                    wv_s[i, j] = x_f[i, j] * erev_s[i]
+                for i, d in T.Parallel(BV, K):
+                    S_f[i, d] = S_f[i, d] * eg_s[C - 1]
+                T.gemm(wv_s, k_s, S_f, transpose_A=True)
+                if ckpt_every_chunks > 0:
+                    if ci >= out_chunk and L == C and (ci + 1) % ckpt_every_chunks == 0:
+                        row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
+                        for i, d in T.Parallel(BV, K):
+                            checkpoints[row, hv, iv * BV + i, d] = S_f[i, d]
+
+            if end_chunk == T.ceildiv(eos - bos, C):
+                for i, d in T.Parallel(BV, K):
+                    pool[base + i * K + d] = S_f[i, d]
+
+    return chunk_fwd
 
 
 # --------------------------------------------------------------------------------------
@@ -407,13 +397,12 @@ def _kernel_set(cfg: PrefillStaticConfig):
 
         tune = PREFILL_CONFIGS
         target, pc = _target(), _pass_configs()
-        prep = tilelang.compile(_build_prep(cfg, tune.get("prep_threads", 128)), target=target, pass_configs=pc)
-        state = tilelang.compile(
-            _build_state(cfg, tune.get("state_block_v", 64), tune.get("state_threads", 128), tune.get("state_stages", 2)),
+        prep = tilelang.compile(_build_prep(cfg, tune["prep_threads"]), target=target, pass_configs=pc)
+        fwd = tilelang.compile(
+            _build_chunk_fwd(cfg, tune["fwd_block_v"], tune["fwd_threads"], tune["fwd_stages"]),
             target=target, pass_configs=pc,
         )
-        output = tilelang.compile(_build_output(cfg, tune.get("output_threads", 128)), target=target, pass_configs=pc)
-        ks = (prep, state, output)
+        ks = (prep, fwd)
         _kernels[cfg] = ks
         _compile_count += 1
         return ks
@@ -485,7 +474,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale: float, plan, state_po
 
 def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_initial_state, use_qk_l2norm,
             checkpoints, out) -> dict:
-    """Runs the three kernels; returns the workspaces (w, u, g_cum, k_normed, v_new, h_chunks) for stage tests."""
+    """Runs the two kernels; returns the workspaces (t_beta, g_cum, q_normed, k_normed) for stage tests."""
     T_, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     assert K == HEAD_DIM and V == HEAD_DIM and HV % H == 0 and k.shape == q.shape
@@ -499,15 +488,13 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
             state_pool[idx] = torch.where(has_initial_state.view(-1, 1, 1, 1), state_pool[idx], 0).to(state_pool.dtype)
         return {}
     cfg = static_config(q, v, beta, state_pool, use_qk_l2norm)
-    prep, state, output = _kernel_set(cfg)
-    NC = plan.num_chunks
+    prep, fwd = _kernel_set(cfg)
     # Workspaces: the caching allocator serves these without a sync and inside graph capture.
-    w = torch.empty(T_, HV, K, dtype=q.dtype, device=dev)
-    u = torch.empty(T_, HV, V, dtype=q.dtype, device=dev)
-    v_new = torch.empty(T_, HV, V, dtype=q.dtype, device=dev)
-    g_cum = torch.empty(T_, HV, dtype=torch.float32, device=dev)
+    NC = plan.num_chunks
+    t_beta = torch.empty(NC, HV, CHUNK, CHUNK, dtype=q.dtype, device=dev)
+    g_cum = torch.empty(NC, HV, CHUNK, dtype=torch.float32, device=dev)
+    q_normed = torch.empty_like(q) if use_qk_l2norm else q
     k_normed = torch.empty_like(k) if use_qk_l2norm else k
-    h_chunks = torch.empty(max(NC, 1), HV, V, K, dtype=q.dtype, device=dev)
     every = plan.checkpoint_every or 0
     if checkpoints is None or every == 0 or checkpoints.shape[0] == 0:
         ckpt, every_chunks = plan.extras.get("_dummy_ckpt"), 0
@@ -517,12 +504,24 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
     else:
         ckpt, every_chunks = checkpoints, every // CHUNK
     cu = plan.cu_seqlens
-    prep(k, v, g, beta, cu, plan.chunk_indices, w, u, g_cum, k_normed)
-    state(w, u, k_normed, g_cum, cu, plan.chunk_offsets, plan.checkpoint_offsets, state_indices,
-          has_initial_state.view(torch.uint8), _flat_pool(state_pool), state_pool.stride(0), every_chunks,
-          ckpt, h_chunks, v_new)
-    output(q, k_normed, v_new, g_cum, h_chunks, cu, plan.chunk_indices, float(scale), out)
-    return dict(w=w, u=u, g_cum=g_cum, k_normed=k_normed, v_new=v_new, h_chunks=h_chunks)
+    items = plan.work_items
+    flat_pool = _flat_pool(state_pool)
+    h0_pool, h0_slots, h0_stride = flat_pool, state_indices, state_pool.stride(0)
+    if plan.context_parallel is not None:
+        # Several work items of one sequence run at once and the last one writes the final
+        # state into the slot the others read their start state from: they read a snapshot.
+        h0_pool = state_pool[state_indices.long()].contiguous()
+        h0_stride = h0_pool.stride(0)
+        h0_pool = h0_pool.view(-1)
+        h0_slots = plan.extras.get("_seq_ids")
+        if h0_slots is None or h0_slots.device != dev:
+            h0_slots = torch.arange(N, dtype=torch.int32, device=dev)
+            plan.extras["_seq_ids"] = h0_slots
+    prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, q_normed, k_normed)
+    fwd(q_normed, k_normed, v, t_beta, g_cum, cu, plan.chunk_offsets, items, plan.checkpoint_offsets,
+        has_initial_state.view(torch.uint8), h0_slots, h0_pool, h0_stride, state_indices, flat_pool,
+        state_pool.stride(0), every_chunks, ckpt, float(LOG_DECAY_THRESHOLD), float(scale), out)
+    return dict(t_beta=t_beta, g_cum=g_cum, q_normed=q_normed, k_normed=k_normed)
 
 
 _SHORT = {"bf16": torch.bfloat16, "fp16": torch.float16, "f32": torch.float32}

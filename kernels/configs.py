@@ -6,15 +6,18 @@ justifies it.
 
 # Chunked prefill (qla_serving.kernels.chunk_prefill).
 PREFILL_CONFIGS: dict = {
-    # one warpgroup (128 threads) per block: the 64-row tiles are one wgmma M each
+    # prep (grid chunk x value head): one warpgroup; the 64-row tiles are one wgmma M each
     "prep_threads": 128,
-    "output_threads": 128,
-    # state pass: V split into 64-row slices (2 blocks per (sequence, head)); TileLang adds
-    # a TMA producer warpgroup and double-buffers the next chunk's w, k, u (H100: tests pass,
-    # 1.8 ms of the 2.4 ms total at 2/8 1x32768, ~2.0 ms at 16/64 8x4096)
-    "state_block_v": 64,
-    "state_threads": 128,
-    "state_stages": 2,
+    # chunk_fwd (grid V slice x value head x work item): the serial pass with the output
+    # fused in. TileLang adds a TMA producer warpgroup that prefetches fwd_stages chunks of
+    # q, k, v, T diag(beta) and the gate cumsum while the consumers compute. The state rows
+    # (V) are independent, so V may be split into fwd_block_v-row slices across blocks; one
+    # block per (head, work item) with two consumer warpgroups instead shares the q/k/T loads
+    # and puts two warps on each scheduler to hide the element-wise latency (H100, 2/8
+    # 8x4096: 64-row slices with one warpgroup took 6.7 us per chunk, issue-latency bound).
+    "fwd_block_v": 128,
+    "fwd_threads": 256,
+    "fwd_stages": 2,
 }
 
 # Decode step (qla_serving.kernels.decode).

@@ -7,10 +7,13 @@ slots), so a kernel call neither syncs with the host nor decides anything itself
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
 
+from .ops.gated_delta_rule.context_parallel import ContextParallelPlan, plan_context_parallel
 from .ops.gated_delta_rule.naive import CHUNK_SIZE
 
 
@@ -28,7 +31,13 @@ class PrefillPlan:
         checkpoint_every: tokens between checkpoints (a multiple of 64) or None.
         checkpoint_offsets_cpu / checkpoint_offsets: ``[N + 1]`` int32 — sequence ``i``
             writes its checkpoints to rows ``checkpoint_offsets[i] : checkpoint_offsets[i + 1]``.
-        extras: room for kernel-specific tables derived from the same inputs (AutoCP).
+        work_items_cpu / work_items: ``[W, 4]`` int32 — the units of the serial pass, one
+            block column each: ``(sequence, first chunk, first output chunk, end chunk)``,
+            chunks counted within the sequence. Without context parallelism one item per
+            sequence ``(i, 0, 0, num_chunks_i)``; with it, a long sequence becomes several items
+            that start ``warmup`` chunks before their first output chunk.
+        context_parallel: the AutoCP decision (None: not used for this batch).
+        extras: room for kernel-specific tables derived from the same inputs.
     """
 
     cu_seqlens_cpu: torch.Tensor
@@ -39,6 +48,9 @@ class PrefillPlan:
     checkpoint_every: int | None
     checkpoint_offsets_cpu: torch.Tensor
     checkpoint_offsets: torch.Tensor
+    work_items_cpu: torch.Tensor
+    work_items: torch.Tensor
+    context_parallel: ContextParallelPlan | None = None
     chunk_size: int = CHUNK_SIZE
     extras: dict = field(default_factory=dict)
 
@@ -77,6 +89,9 @@ def plan_prefill(
     device: torch.device | str | None = None,
     checkpoint_every: int | None = None,
     chunk_size: int = CHUNK_SIZE,
+    num_v_heads: int | None = None,
+    sm_count: int | None = None,
+    cp_segment_tokens: int | None = None,
 ) -> PrefillPlan:
     """Build the plan of one prefill batch on the host.
 
@@ -88,6 +103,11 @@ def plan_prefill(
         checkpoint_every: write the state every this many tokens (a positive multiple of
             ``chunk_size``) for prefix caching; None for no checkpoints.
         chunk_size: tokens per chunk (64: the kernels' chunk).
+        num_v_heads: value heads per layer on this GPU. Given it, the planner decides AutoCP
+            (intra-card context parallelism) for the batch; None plans without it.
+        sm_count: multiprocessors of the GPU (default: queried from ``device`` once).
+        cp_segment_tokens: experiments only — force segments of this many tokens (0 turns
+            AutoCP off); the environment variable ``QLA_CP_SEGMENT_TOKENS`` does the same.
 
     Returns:
         A :class:`PrefillPlan`.
@@ -125,6 +145,17 @@ def plan_prefill(
 
     device = torch.device(device) if device is not None else torch.device("cpu")
 
+    cp = None
+    if cp_segment_tokens is None and os.environ.get("QLA_CP_SEGMENT_TOKENS"):
+        cp_segment_tokens = int(os.environ["QLA_CP_SEGMENT_TOKENS"])
+    if num_v_heads is not None and cp_segment_tokens != 0:
+        if sm_count is None:
+            sm_count = _sm_count(device)
+        if sm_count:
+            cp = plan_context_parallel(lens.tolist(), num_v_heads, sm_count, segment_tokens=cp_segment_tokens,
+                                       v_blocks_per_head=_v_blocks_per_head())
+    work_items = _work_items(lens, chunks, cp, chunk_size)
+
     def to_device(x: torch.Tensor) -> torch.Tensor:
         if device.type == "cuda":
             return x.pin_memory().to(device, non_blocking=True)
@@ -139,5 +170,35 @@ def plan_prefill(
         checkpoint_every=checkpoint_every,
         checkpoint_offsets_cpu=ckpt_offsets,
         checkpoint_offsets=to_device(ckpt_offsets),
+        work_items_cpu=work_items,
+        work_items=to_device(work_items),
+        context_parallel=cp,
         chunk_size=chunk_size,
     )
+
+
+def _work_items(lens: torch.Tensor, chunks: torch.Tensor, cp: ContextParallelPlan | None,
+                chunk_size: int) -> torch.Tensor:
+    """``[W, 4]`` int32 rows ``(sequence, first chunk, first output chunk, end chunk)``."""
+    rows = []
+    for i, n in enumerate(chunks.tolist()):
+        starts = [0] if cp is None else [s // chunk_size for s in cp.segments[i] if s < int(lens[i])] or [0]
+        ends = starts[1:] + [n]
+        warm = 0 if cp is None else cp.warmup_tokens // chunk_size
+        for s, e in zip(starts, ends):
+            rows.append((i, max(s - warm, 0), s, e))
+    return torch.tensor(rows, dtype=torch.int32).view(-1, 4)
+
+
+def _v_blocks_per_head() -> int:
+    from .kernels.configs import PREFILL_CONFIGS
+
+    return 128 // PREFILL_CONFIGS["fwd_block_v"]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device (0 elsewhere: no AutoCP off the GPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count

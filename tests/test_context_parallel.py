@@ -71,19 +71,30 @@ def test_forced_warmup_on_slow_heads_is_wrong():
     assert rel_err(o[:, 0], o_r[:, 0]) > 1e-3
 
 
-def test_planner_splits_only_when_the_gpu_is_underfilled():
-    # 8 value heads x 1 sequence = 16 chains on 132 SMs: split.
+def test_planner_splits_only_when_the_chain_length_bounds_the_time():
+    # 8 value heads x 1 sequence = 8 blocks on 132 SMs: split into one wave of segments.
     cp = plan_context_parallel([32768], 8, 132)
     assert cp is not None and cp.segment_tokens % 64 == 0 and cp.segment_tokens >= 1024
-    assert len(cp.segments[0]) * 8 * 2 <= 132 * 1.25
+    assert len(cp.segments[0]) * 8 <= 132
     assert cp.segments[0] == tuple(range(0, 32768, cp.segment_tokens))
-    # 64 value heads x 2 sequences = 256 chains: already full.
-    assert plan_context_parallel([32768, 8192], 64, 132) is None
+    # 64 value heads x 8 sequences = 512 blocks: the total work bounds the time, warm-up only adds.
+    assert plan_context_parallel([4096] * 8, 64, 132) is None
     # Short sequences only: nothing to split.
     assert plan_context_parallel([2048, 1024], 8, 132) is None
     # Mixed long and short: only the long one is split.
     cp = plan_context_parallel([24576, 100], 8, 132)
     assert len(cp.segments[0]) > 1 and cp.segments[1] == (0,)
+
+
+def test_planner_cost_model_prefers_one_wave():
+    """One block per SM: 64 heads x 2 segments (128 blocks) fit one wave of 132 SMs, three
+    segments would need two waves and lose."""
+    cp = plan_context_parallel([32768], 64, 132)
+    assert cp is not None and len(cp.segments[0]) == 2
+    from qla_serving.ops.gated_delta_rule.context_parallel import _makespan
+
+    assert _makespan([512], 64, 132, 256, 4, 64) < _makespan([512], 64, 132, 171, 4, 64)
+    assert _makespan([512], 64, 132, None, 4, 64) == 512
 
 
 def test_planner_is_deterministic_and_validates_overrides():
@@ -104,9 +115,7 @@ def test_documented_decision_table_is_the_planners():
     assert decision_table() in doc
 
 
-def test_planner_leaves_a_filled_gpu_alone_and_balances_segments():
-    # 64 value heads x 1 sequence = 128 chains on 132 SMs: nearly full, no CP.
-    assert plan_context_parallel([32768], 64, 132) is None
+def test_planner_balances_segments():
     cp = plan_context_parallel([24576, 8192], 8, 132)
     starts = cp.segments[0]
     lengths = [b - a for a, b in zip(starts, starts[1:] + (24576,))]

@@ -38,3 +38,25 @@ def test_chunk_tables_cover_every_token():
 def test_plan_bad_input(cu, kw, exc, match):
     with pytest.raises(exc, match=match):
         plan_prefill(cu, **kw)
+
+
+def test_work_items_without_and_with_context_parallelism():
+    # without the head count: one item per sequence, (sequence, 0, 0, chunks), empty ones too
+    plan = plan_prefill([0, 0, 70, 70 + 4096])
+    assert plan.context_parallel is None
+    assert plan.work_items_cpu.tolist() == [[0, 0, 0, 0], [1, 0, 0, 2], [2, 0, 0, 64]]
+    # with it: the long sequence becomes segments, each after the first warming up 4 chunks
+    plan = plan_prefill([0, 100, 100 + 32768], num_v_heads=8, sm_count=132)
+    cp = plan.context_parallel
+    assert cp is not None and cp.segments[0] == (0,)
+    items = plan.work_items_cpu.tolist()
+    assert items[0] == [0, 0, 0, 2]
+    seg = cp.segment_tokens // 64
+    long_items = items[1:]
+    assert [r[2] for r in long_items] == list(range(0, 512, seg))
+    assert all(r[1] == max(r[2] - 4, 0) for r in long_items)
+    assert [r[3] for r in long_items] == [r[2] for r in long_items[1:]] + [512]
+    # the override: 0 turns it off, a length forces it
+    assert plan_prefill([0, 32768], num_v_heads=8, sm_count=132, cp_segment_tokens=0).context_parallel is None
+    forced = plan_prefill([0, 8192], num_v_heads=64, sm_count=132, cp_segment_tokens=2048)
+    assert forced.work_items_cpu[:, 2].tolist() == [0, 32, 64, 96]

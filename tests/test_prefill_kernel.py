@@ -173,7 +173,9 @@ def test_checkpoints(pool_dtype):
 
 @pytest.mark.gpu
 def test_stages_match_chunk_reference():
-    """Each kernel's workspace vs the chunk reference's intermediates: tells which kernel is wrong."""
+    """The prep kernel's workspaces vs the chunk reference's intermediates: tells which kernel
+    is wrong. ``T diag(beta)`` is checked through what it produces: ``w = T diag(beta) exp(G) k``
+    and ``u = T diag(beta) v``."""
     from qla_serving.kernels.chunk_prefill import _launch
 
     lens = [65, 130, 7]
@@ -187,24 +189,31 @@ def test_stages_match_chunk_reference():
     *_, inter = chunk_gated_delta_rule_ref(
         case["q"], case["k"], case["v"], case["g"], case["beta"], initial_state=h0, cu_seqlens=case["cu"],
         use_qk_l2norm=True, return_intermediates=True)
-    # token rows of every chunk, in plan order
-    rows, slots = [], []
+    NC, HV = ws["g_cum"].shape[:2]
+    # the chunk-padded inputs, [NC, C, HV, D], the way the reference pads them
+    k_chunks = torch.zeros(NC, 64, HV, K, device="cuda")
+    v_chunks = torch.zeros(NC, 64, HV, V, device="cuda")
+    mask = torch.zeros(NC, 64, dtype=torch.bool, device="cuda")
+    kn = l2norm(case["k"].float()).repeat_interleave(HV // case["k"].shape[1], dim=1)
     for ci, (s, j) in enumerate(case["plan"].chunk_indices.cpu().tolist()):
         bos = int(case["cu"][s]) + 64 * j
         n = min(64, int(case["cu"][s + 1]) - bos)
-        rows += range(bos, bos + n)
-        slots += [(ci, r) for r in range(n)]
-    ci_idx = torch.tensor([c for c, _ in slots])
-    r_idx = torch.tensor([r for _, r in slots])
-    rows = torch.tensor(rows)
+        k_chunks[ci, :n] = kn[bos:bos + n]
+        v_chunks[ci, :n] = case["v"][bos:bos + n].float()
+        mask[ci, :n] = True
+    G = ws["g_cum"].permute(0, 2, 1)  # [NC, C, HV]
+    tb = ws["t_beta"].float().permute(0, 2, 1, 3)  # [NC, C(row), HV, C(col)]
+    w = torch.einsum("nihj,njhd->nihd", tb, k_chunks * G.exp()[..., None])
+    u = torch.einsum("nihj,njhd->nihd", tb, v_chunks)
     errs = {
-        "g_cum": _rel(ws["g_cum"][rows], inter.g_cum[ci_idx, r_idx]),
-        "w": _rel(ws["w"][rows], inter.w[ci_idx, r_idx]),
-        "u": _rel(ws["u"][rows], inter.u[ci_idx, r_idx]),
-        "h": _rel(ws["h_chunks"], inter.h),
-        "v_new": _rel(ws["v_new"][rows], inter.v_new[ci_idx, r_idx]),
+        "g_cum": _rel(G[mask], inter.g_cum[mask]),
+        "w": _rel(w[mask], inter.w[mask]),
+        "u": _rel(u[mask], inter.u[mask]),
+        "k_normed": _rel(ws["k_normed"], l2norm(case["k"].float())),
+        "q_normed": _rel(ws["q_normed"], l2norm(case["q"].float())),
     }
     assert all(e < TOL for e in errs.values()), errs
+    assert float(tb[~mask].abs().max()) == 0.0, "t_beta rows past a chunk's end must be zero"
 
 
 @pytest.mark.gpu
@@ -258,3 +267,56 @@ def test_cuda_graph_capture_and_replay():
     graph.replay()
     torch.cuda.synchronize()
     _check_against_oracle(case, out, pool_before)
+
+
+def _gates(T, HV, kind, dev="cuda"):
+    """Per-token log decays ``[T, HV]`` float32 and ``beta [T, HV]``.
+
+    ``qwen``: ``-exp(A_log) softplus(a + dt_bias)`` with A_log spread over [-4, 1.5] across the
+    heads (from barely decaying to strongly decaying). ``adversarial``: a quarter of the heads
+    with g = 0 (no decay at all), a quarter alternating 256-token stretches of strong decay
+    and none, the rest Qwen-like.
+    """
+    a, b = torch.randn(T, HV, device=dev), torch.randn(T, HV, device=dev)
+    A_log = torch.linspace(-4.0, 1.5, HV, device=dev)
+    dt_bias = torch.empty(HV, device=dev).uniform_(-3.0, 0.0)
+    g, beta = gdn_gate_ref(a, b, A_log, dt_bias, dtype=torch.float32)
+    if kind == "adversarial":
+        q = max(HV // 4, 1)
+        g[:, :q] = 0.0
+        stretch = (torch.arange(T, device=dev) // 256) % 2 == 0
+        g[:, q:2 * q] = torch.where(stretch[:, None], torch.full_like(g[:, q:2 * q], -0.5), 0.0)
+    return g.contiguous(), beta
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,kind", [
+    ([20000], "qwen"),
+    ([20000], "adversarial"),
+    ([9000, 300, 4100], "qwen"),  # a long prompt with short ones, several long ones
+    ([131072], "qwen"),
+])
+def test_context_parallel_matches_non_cp(lens, kind):
+    """AutoCP (segments with warm-up or exact replay, decided per head on the device) against
+    the float64 oracle: its error at most 1.1x the non-CP path's on the same inputs; initial
+    states from the pool, checkpoints."""
+    H, HV = 2, 8
+    case = _make_case(lens, H, HV, beta_dtype=torch.bfloat16, checkpoint_every=1024)
+    case["g"], beta = _gates(sum(lens), HV, kind)
+    case["beta"] = beta.to(torch.bfloat16)
+    pool_before = case["pool"].clone()
+    o_ref, final_ref, ckpt_ref = _oracle(case, pool_before, checkpoint_every=1024)
+    errs = {}
+    for name, seg in (("nocp", 0), ("cp", 1024)):
+        case["pool"].copy_(pool_before)
+        case["plan"] = plan_prefill(case["cu"], device="cuda", checkpoint_every=1024, num_v_heads=HV,
+                                    cp_segment_tokens=seg)
+        assert (case["plan"].context_parallel is not None) == (seg > 0)
+        ckpt = torch.full((case["plan"].num_checkpoints, HV, V, K), float("nan"), device="cuda")
+        out = _run(case, checkpoints=ckpt)
+        assert torch.isfinite(out).all() and torch.isfinite(ckpt).all()
+        final = case["pool"][case["state_indices"].long()]
+        errs[name] = (_rel(out, o_ref), _rel(final, final_ref), _rel(ckpt, ckpt_ref))
+        assert errs[name][0] < TOL and errs[name][1] < TOL and errs[name][2] < TOL, (name, errs[name])
+    for i, what in enumerate(("o", "final state", "checkpoints")):
+        assert errs["cp"][i] <= 1.1 * errs["nocp"][i] + 1e-6, (what, errs)

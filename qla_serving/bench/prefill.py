@@ -32,6 +32,7 @@ from . import common
 HEAD_CONFIGS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (8, 24), (16, 16)]
 BATCHES = ["1x32768", "1x8192", "1x2048", "24576+8192", "8x4096", "8x1024"]
 IMPLS = ["qla", "fla", "flashinfer"]
+EXTRA_IMPLS = ["qla-nocp"]  # ours with AutoCP off, to show what the planner's choice gains
 K = V = 128
 
 
@@ -71,13 +72,14 @@ def roofline_ms(lens, hqk, hv, tflops, copy_gbs) -> float:
     return 1e3 * max(flops / (tflops * 1e12), nbytes / (copy_gbs * 1e9))
 
 
-def runner_qla(x, hqk, hv):
+def runner_qla(x, hqk, hv, autocp=True):
     from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd, warmup
     from qla_serving.plan import plan_prefill
 
     warmup(hqk, hv, dtype=x["q"].dtype, beta_dtype=x["beta"].dtype, pool_dtype=torch.float32, use_qk_l2norm=True)
     N = len(x["cu"]) - 1
-    plan = plan_prefill(x["cu"], device="cuda")
+    # the planner decides AutoCP from the lengths, the head count and the SM count
+    plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=None if autocp else 0)
     pool = torch.empty(N + 1, hv, V, K, device="cuda")
     idx = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
     has_init = torch.ones(N, dtype=torch.bool, device="cuda")
@@ -124,17 +126,47 @@ def runner_flashinfer(x, hqk, hv):
     return fn
 
 
-RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer}
+RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer,
+           "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False)}
+
+
+def kernel_times(x, hqk, hv, iters=20) -> dict:
+    """Median CUDA-event time of each of our kernels (``prep``, ``chunk_fwd``) in one cell."""
+    from qla_serving.kernels import chunk_prefill
+
+    fn = runner_qla(x, hqk, hv)
+    cfg = chunk_prefill.static_config(x["q"], x["v"], x["beta"], torch.empty(0, hv, V, K, device="cuda"), True)
+    kernels = chunk_prefill._kernel_set(cfg)
+    events = {"prep": [], "chunk_fwd": []}
+
+    def timed(name, kernel):
+        def call(*args):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            kernel(*args)
+            e.record()
+            events[name].append((s, e))
+        return call
+
+    chunk_prefill._kernels[cfg] = (timed("prep", kernels[0]), timed("chunk_fwd", kernels[1]))
+    try:
+        for _ in range(iters + 3):
+            fn()
+        torch.cuda.synchronize()
+    finally:
+        chunk_prefill._kernels[cfg] = kernels
+    return {n: sorted(s.elapsed_time(e) for s, e in ev[3:])[len(ev[3:]) // 2] for n, ev in events.items()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="qla-serving bench prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=common.parse_heads, nargs="*", default=None, help="subset of head configs, e.g. 2/8 16/64")
     ap.add_argument("--batches", nargs="*", default=None, help=f"subset of {BATCHES}")
-    ap.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS)
+    ap.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS + EXTRA_IMPLS)
     ap.add_argument("--modes", nargs="*", default=["eager", "graph"], choices=["eager", "graph"])
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--out-dir", default=None, help="where the results go (default e2e_bench/results)")
+    ap.add_argument("--kernel-times", action="store_true", help="also print our per-kernel times in each cell")
     args = ap.parse_args(argv)
     heads = HEAD_CONFIGS if args.heads is None else args.heads
     batches = BATCHES if args.batches is None else args.batches
@@ -161,6 +193,10 @@ def main(argv=None) -> int:
             floor = roofline_ms(lens, hqk, hv, meta["bf16_tflops"], meta["copy_gbs"])
             for mode in args.modes:
                 rows.append(dict(cell, impl="floor", mode=mode, ms=round(floor, 4)))
+            if args.kernel_times:
+                times = kernel_times(x, hqk, hv)
+                notes.append(f"qla kernels {hqk}/{hv} {batch}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()))
+                print(notes[-1], flush=True)
             for impl in args.impls:
                 try:
                     fn = RUNNERS[impl](x, hqk, hv)

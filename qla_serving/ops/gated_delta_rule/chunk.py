@@ -14,11 +14,12 @@ from . import checks
 from .naive import CHUNK_SIZE, chunk_gated_delta_rule_ref
 
 
-def _plan_for(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu, T: int, device, checkpoint_every) -> PrefillPlan:
+def _plan_for(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu, T: int, device, checkpoint_every,
+              num_v_heads: int) -> PrefillPlan:
     if cu_seqlens_cpu is None:
         # Only the FLA-compatible path gets here without a plan: one sync to read the offsets.
         cu_seqlens_cpu = cu_seqlens.cpu() if cu_seqlens is not None else torch.tensor([0, T])
-    return plan_prefill(cu_seqlens_cpu, device=device, checkpoint_every=checkpoint_every)
+    return plan_prefill(cu_seqlens_cpu, device=device, checkpoint_every=checkpoint_every, num_v_heads=num_v_heads)
 
 
 def _check_prefill_inputs(q, k, v, g, beta, T: int):
@@ -143,7 +144,7 @@ def chunk_gated_delta_rule_pool(
     if plan is None:
         if cu_seqlens is None and cu_seqlens_cpu is None:
             raise ValueError("give plan, cu_seqlens or cu_seqlens_cpu: the pool form is varlen")
-        plan = _plan_for(cu_seqlens, cu_seqlens_cpu, T, q.device, checkpoint_every)
+        plan = _plan_for(cu_seqlens, cu_seqlens_cpu, T, q.device, checkpoint_every, HV)
     elif checkpoint_every is not None and checkpoint_every != plan.checkpoint_every:
         raise ValueError(f"checkpoint_every={checkpoint_every} disagrees with the plan's {plan.checkpoint_every}")
     if plan.total_tokens != T:
@@ -235,7 +236,7 @@ def chunk_gated_delta_rule(
             checks.expect_rank("cu_seqlens", cu_seqlens, (1,), "[N + 1]")
             checks.expect_dtype("cu_seqlens", cu_seqlens, checks.INDEX_DTYPES)
             checks.expect_same_device(q.device, cu_seqlens=cu_seqlens)
-        plan = _plan_for(cu_seqlens, cu_seqlens_cpu, B * T, q.device, None)
+        plan = _plan_for(cu_seqlens, cu_seqlens_cpu, B * T, q.device, None, HV)
     N = plan.num_seqs
     if initial_state is not None:
         layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"

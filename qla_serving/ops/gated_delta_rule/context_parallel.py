@@ -15,11 +15,13 @@ from the actual gates):
     ``exp(g_t) (I - beta_t k_t k_t^T)``. With L2-normalised keys and ``beta`` in [0, 1] every
     factor ``I - beta k k^T`` has spectral norm <= 1, so ``||M||_2 <= exp(sum_window g)``
     and the warm-up error is at most ``exp(sum_window g) * ||S(s - W)||``.
-(b) **Exact.** For heads whose gate does not decay enough over the window, carry the state
-    through the segment transitions: each segment ``p`` computed from zero gives ``X_p``,
-    and from the identity (with ``u = 0``) gives its transition ``A_p``, both in parallel;
-    then ``h_{p+1} = A_p h_p + X_p`` is a short serial scan over segments (``P - 1`` small
-    matrix products per head). No approximation beyond rounding.
+(b) **Exact.** For heads whose gate does not decay enough over the window the start state
+    must be the true one. The reference below carries it through the segment transitions:
+    each segment ``p`` computed from zero gives ``X_p`` and from the identity (with ``u = 0``)
+    its transition ``A_p``, then ``h_{p+1} = A_p h_p + X_p`` (a short scan over segments). The
+    kernel (``qla_serving.kernels.chunk_prefill``) takes the simpler exact route: the block of
+    such a (segment, head) replays the sequence from its start with the true initial state,
+    which costs that head the speedup but no accuracy; with Qwen-like gates few heads need it.
 
 The error argument for (a), with numbers. bf16 keeps 8 significant bits, so each stored
 element carries a relative rounding error up to ``2^-9 ~ 2.0e-3``; the kernels' measured
@@ -31,11 +33,11 @@ relative error added is ``<= 2.4e-4``, about a tenth of one bf16 rounding step, 
 path's total error stays within ``1.1x`` of the non-CP path's. Heads that decay less
 (``A_log`` near -4 makes ``g ~ -0.01`` per token, ~ -3 over 256 tokens) take (b).
 
-Planning (host, once per batch, shared by every layer): CP only pays when the state pass
-has too few chains to fill the GPU and some sequence is long; the segment length makes the
-chain count reach about one per SM but never drops below ``min_segment_tokens`` (so the
-warm-up costs at most ``W / min_segment`` extra state work). The thresholds live in
-``qla_serving.kernels.configs.AUTOCP_CONFIG``.
+Planning (host, once per batch, shared by every layer): CP only pays when the serial pass
+is bounded by its longest chain rather than by its total work; :func:`plan_context_parallel`
+estimates both with and without segments (a cost model in chunk steps, one block per SM)
+and splits only where that wins by a margin. Segments never drop below
+``min_segment_tokens`` (so the warm-up costs at most ``W / min_segment`` extra work).
 """
 
 from __future__ import annotations
@@ -71,57 +73,88 @@ class ContextParallelPlan:
         return sum(len(s) for s in self.segments)
 
 
+def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int | None, warm: int,
+              min_cp_chunks: int) -> float:
+    """Estimated time of the serial pass, in chunk steps.
+
+    One block per (work item, value head) and one block per SM (the fused kernel's shared
+    memory), every chunk step about the same time (measured on H100: ~8.3 us per chunk and
+    block), warm-up steps counted like the others. All blocks in one wave: the longest item.
+    More blocks than SMs: the total work over the SMs plus half an item for the last wave's
+    raggedness (list scheduling ends within one item of the average).
+    """
+    longest, total, blocks = 0, 0, 0
+    for n in chunk_counts:
+        if seg is None or n <= seg or n < min_cp_chunks:
+            items = [n]
+        else:
+            pieces = -(-n // seg)
+            items = [seg] + [seg + warm] * (pieces - 2) + [n - seg * (pieces - 1) + warm]
+        longest = max(longest, *items)
+        total += sum(items)
+        blocks += len(items) * num_v_heads
+    if blocks <= sm_count:
+        return float(longest)
+    return max(longest, total * num_v_heads / sm_count) + longest / 2
+
+
 def plan_context_parallel(
     seq_lens: list[int],
     num_v_heads: int,
     sm_count: int,
     *,
-    v_blocks_per_head: int = 2,
+    v_blocks_per_head: int = 1,
     min_cp_tokens: int = 4096,
     min_segment_tokens: int = 1024,
     warmup_tokens: int = 256,
-    max_fill: float = 0.5,
+    min_gain: float = 1.1,
     segment_tokens: int | None = None,
 ) -> ContextParallelPlan | None:
     """Decide whether and how to split long sequences; None means no CP.
 
-    The state pass has one chain per (sequence, value head, V block). CP is planned only when
-    those chains fill at most ``max_fill`` of the SMs (past that, the warm-up or the exact
-    transitions cost more than the idle SMs give back) and some sequence has at least
-    ``min_cp_tokens`` tokens. Each such sequence is cut into ``P`` equal segments (multiples
-    of 64 tokens, at least ``min_segment_tokens``), ``P`` chosen so the chains come near one
-    per SM.
+    The serial pass runs one block per (work item, value head, V block); without CP a work
+    item is a sequence. Its time is bounded below by the longest item and by the total work
+    over the SMs (:func:`_makespan`). Splitting sequences of at least ``min_cp_tokens`` into
+    equal segments (multiples of 64 tokens, at least ``min_segment_tokens``) shortens the
+    longest item at the price of ``warmup_tokens`` extra per segment; the planner tries every
+    segment length from the longest sequence's halves down to the minimum and keeps the
+    fastest estimate, but only if it beats no CP by ``min_gain`` (so CP is never chosen where
+    the total work, not the chain length, bounds the time).
 
     Args:
         seq_lens: token count of each sequence.
         num_v_heads: value heads on this GPU (after TP sharding).
         sm_count: multiprocessors of the GPU.
-        v_blocks_per_head: state-kernel blocks per (sequence, head), from the kernel config.
+        v_blocks_per_head: blocks per (item, head), from the kernel config (V slices).
         min_cp_tokens: only sequences at least this long are split.
         min_segment_tokens: shortest segment (bounds the warm-up overhead to W / segment).
         warmup_tokens: warm-up window ``W``.
-        max_fill: plan CP only while chains <= max_fill * sm_count.
+        min_gain: plan CP only when its estimate is this much faster than without.
         segment_tokens: an override for experiments (uniform segments of this length).
     """
     if warmup_tokens % CHUNK_SIZE or (segment_tokens is not None and segment_tokens % CHUNK_SIZE):
         raise ValueError(f"segment_tokens={segment_tokens} and warmup_tokens={warmup_tokens} must be multiples "
                          f"of {CHUNK_SIZE}")
-    per_seq = num_v_heads * v_blocks_per_head
-    chains = sum(1 for L in seq_lens if L > 0) * per_seq
-    long_seqs = [L >= min_cp_tokens for L in seq_lens]
     if segment_tokens is not None:
         segs = tuple(tuple(range(0, L, segment_tokens)) if L > segment_tokens else (0,) for L in seq_lens)
     else:
-        if chains > max_fill * sm_count or not any(long_seqs):
+        chunks = [-(-L // CHUNK_SIZE) for L in seq_lens]
+        if not chunks or max(chunks) * CHUNK_SIZE < min_cp_tokens:
             return None
-        room = sm_count - (chains - sum(long_seqs) * per_seq)
-        parts = max(1, room // (sum(long_seqs) * per_seq))
-        segs = []
-        for L, is_long in zip(seq_lens, long_seqs):
-            p = min(parts, L // min_segment_tokens) if is_long else 1
-            seg = CHUNK_SIZE * math.ceil(L / max(p, 1) / CHUNK_SIZE)
-            segs.append(tuple(range(0, L, seg)) if p > 1 else (0,))
-        segs = tuple(segs)
+        blocks = num_v_heads * v_blocks_per_head
+        warm, min_cp, min_seg = warmup_tokens // CHUNK_SIZE, min_cp_tokens // CHUNK_SIZE, min_segment_tokens // CHUNK_SIZE
+        best_seg, best = None, _makespan(chunks, blocks, sm_count, None, warm, min_cp)
+        no_cp = best
+        for parts in range(2, max(chunks) // min_seg + 1):
+            seg = -(-max(chunks) // parts)
+            t = _makespan(chunks, blocks, sm_count, seg, warm, min_cp)
+            if t < best:
+                best_seg, best = seg, t
+        if best_seg is None or best * min_gain > no_cp:
+            return None
+        seg_tokens = best_seg * CHUNK_SIZE
+        segs = tuple(tuple(range(0, L, seg_tokens)) if L >= min_cp_tokens and L > seg_tokens else (0,)
+                     for L in seq_lens)
     if all(len(s) == 1 for s in segs):
         return None
     longest = max((b - a) for s, L in zip(segs, seq_lens) for a, b in zip(s, s[1:] + (L,)))
@@ -201,8 +234,12 @@ GRID_BATCHES = {
 }
 
 
-def decision_table(sm_count: int = 132, v_blocks_per_head: int = 2) -> str:
+def decision_table(sm_count: int = 132, v_blocks_per_head: int | None = None) -> str:
     """The planner's decisions over the benchmark grid as a markdown table (docs/autocp.md)."""
+    if v_blocks_per_head is None:
+        from ...kernels.configs import PREFILL_CONFIGS
+
+        v_blocks_per_head = 128 // PREFILL_CONFIGS["fwd_block_v"]
     lines = ["| value heads | " + " | ".join(GRID_BATCHES) + " |", "|---|" + "---|" * len(GRID_BATCHES)]
     for hv in GRID_HEADS:
         cells = []
