@@ -11,13 +11,25 @@ on the state ``S = pool[state_indices[n], hv]`` (``V x K``, the engines' layout)
 with q, k L2-normalised first when asked. The step is memory-bound (each (n, hv) reads and
 writes 64 KiB of fp32 state for ~1 MFLOP), so the kernel is laid out for bandwidth:
 
-* grid ``(V / BV, HV, N)``: one CTA per (sequence, value head, slice of ``BV`` state rows),
-  so even small batches put several CTAs per SM in flight;
-* a row of K = 128 state values is shared by 8 consecutive lanes, each holding 16 values as
-  16-byte vectors (4 fp32 or 8 bf16 per load): every warp load covers whole 128-byte lines,
-  and the two dot products over K (``S k`` and ``S q``) need only 3 butterfly shuffles;
+* grid ``(V / rows_per_cta, HV, N)``: one CTA per (sequence, value head, slice of state
+  rows), so even small batches put several CTAs per SM in flight;
+* a row of K = 128 state values is shared by ``lanes_per_row`` consecutive lanes (8 by
+  default), each holding ``128 / lanes_per_row`` values as 16-byte vectors (4 fp32 or 8 bf16
+  per load): every warp load covers whole 32-byte sectors, and the two dot products over K
+  (``S k`` and ``S q``) need only log2(lanes_per_row) butterfly shuffles;
+* the tile (:class:`DecodeTile`: rows per CTA, threads, lanes per row, and the minimum
+  resident CTAs per SM handed to ``__launch_bounds__``) sets how many 16-byte loads each
+  thread has in flight and how many CTAs share an SM; it is chosen per pool dtype and
+  number of (sequence, head) pairs from ``DECODE_CONFIGS`` (``qla-serving bench decode
+  --sweep-tiles`` measures candidates);
+* each CTA waits for memory once: the activations (q, k, v rows, a, b, A_log, dt_bias) are
+  loaded together with the state index, before anything depends on the slot, and the state
+  loads follow the index; padded rows (index -1) run the same arithmetic on a zero state with
+  every store masked, which keeps the compiler from sinking the activation loads behind the
+  slot test (the ``late`` tile flag keeps the previous order for comparison);
 * the state stays in registers across the ``T`` tokens; it is read once and written once
-  (plus once per token into ``intermediate_states`` when the caller wants it).
+  (plus once per token into ``intermediate_states`` when the caller wants it); a streaming
+  tile (``s``) stores each row of a single-token step as soon as it is updated.
 
 The pool is passed as a flat 1-D view with the slot stride as a run-time scalar (in units of
 one 16-byte vector, so the compiler can prove the vector loads aligned): vLLM's pool is a
@@ -29,7 +41,9 @@ configuration (head counts, T, dtypes, flags, tile) and cached (:data:`compile_c
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's annotations, which
 # refer to the builder's local sizes.
+import re
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -38,7 +52,7 @@ from .configs import DECODE_CONFIGS
 K_DIM = 128
 V_DIM = 128
 MAX_TOKENS = 8
-LANES_PER_ROW = 8  # consecutive lanes sharing one state row (3-step butterfly reductions)
+LANES_PER_ROW = 8  # default lanes sharing one state row (3-step butterfly reductions)
 SOFTPLUS_THRESHOLD = 20.0
 L2NORM_EPS = 1e-6
 
@@ -50,25 +64,122 @@ _TL_DTYPES = {
     torch.int64: "int64",
 }
 
+
+class DecodeTile(NamedTuple):
+    """How one CTA covers its share of a ``V x K`` state (see the module docstring).
+
+    rows_per_cta: state rows per CTA (divides V = 128).
+    threads: threads per CTA (a multiple of 32).
+    lanes_per_row: consecutive lanes sharing one row (4, 8, 16 or 32; bf16 pools at most 16,
+        so each lane holds at least one 16-byte vector).
+    min_blocks: CTAs per SM promised to the compiler through ``__launch_bounds__`` (caps
+        registers per thread); 0 leaves the compiler's default.
+    stream: for single-token steps that update the pool in place, keep the loaded rows in
+        the pool dtype and convert, update and store them one row at a time (bf16: twice the
+        bytes in flight per register); other calls ignore it.
+    late_loads: the previous kernel's load order (slot test first, k/q/v loaded after the
+        gate), kept as the sweep's baseline; ``stream`` does not apply to it.
+    """
+
+    rows_per_cta: int
+    threads: int
+    lanes_per_row: int = LANES_PER_ROW
+    min_blocks: int = 0
+    stream: bool = False
+    late_loads: bool = False
+
+    def __str__(self) -> str:
+        text = f"{self.rows_per_cta}x{self.threads}"
+        if self.lanes_per_row != LANES_PER_ROW:
+            text += f"l{self.lanes_per_row}"
+        if self.min_blocks:
+            text += f"b{self.min_blocks}"
+        if self.stream:
+            text += "s"
+        if self.late_loads:
+            text += "late"
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> "DecodeTile":
+        """``ROWSxTHREADS[lLANES][bMINBLOCKS][s][late]``, e.g. ``32x64``, ``64x128l16``, ``32x64b8s``."""
+        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:b(\d+))?(s)?(late)?", text.strip())
+        if m is None:
+            raise ValueError(
+                f"decode tile {text!r}: expected ROWSxTHREADS[lLANES][bMINBLOCKS][s][late], e.g. 32x64l16s"
+            )
+        rows, threads, lanes, blocks, stream, late = m.groups()
+        return cls(
+            int(rows),
+            int(threads),
+            int(lanes) if lanes else LANES_PER_ROW,
+            int(blocks) if blocks else 0,
+            stream is not None,
+            late is not None,
+        )
+
+    def check(self, pool_dtype: str) -> None:
+        """Raise ValueError naming the broken constraint, for a pool dtype "float32" or "bfloat16"."""
+        vec = 16 // (4 if pool_dtype == "float32" else 2)
+        lanes = self.lanes_per_row
+        if lanes not in (4, 8, 16, 32):
+            raise ValueError(f"decode tile {self}: lanes_per_row must be 4, 8, 16 or 32")
+        if (K_DIM // lanes) % vec:
+            raise ValueError(
+                f"decode tile {self}: with a {pool_dtype} pool a lane must hold whole 16-byte "
+                f"vectors ({vec} values), so lanes_per_row <= {K_DIM // vec}"
+            )
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"decode tile {self}: threads must be a multiple of 32 in [32, 1024]")
+        rows_per_pass = self.threads // lanes
+        if V_DIM % self.rows_per_cta or self.rows_per_cta % rows_per_pass:
+            raise ValueError(
+                f"decode tile {self}: rows_per_cta must divide {V_DIM} and be a multiple of "
+                f"threads / lanes_per_row = {rows_per_pass}"
+            )
+        if self.min_blocks < 0:
+            raise ValueError(f"decode tile {self}: min_blocks must be >= 0")
+
+
 _cache: dict[tuple, object] = {}
 _cache_lock = threading.Lock()
 _key_locks: dict[tuple, threading.Lock] = {}
 compile_count = 0  # kernels compiled by this process (the engines check it stays flat)
 
 
-def _build(H, HV, T_tok, q_dtype, ab_dtype, alog_dtype, bias_dtype, pool_dtype, idx_dtype, use_l2, has_inter,
-           inplace, rows_per_cta, threads):
+def _build(
+    H,
+    HV,
+    T_tok,
+    q_dtype,
+    ab_dtype,
+    alog_dtype,
+    bias_dtype,
+    pool_dtype,
+    idx_dtype,
+    use_l2,
+    has_inter,
+    inplace,
+    rows_per_cta,
+    threads,
+    lanes_per_row=LANES_PER_ROW,
+    min_blocks=0,
+    stream=False,
+    late_loads=False,
+):
     """The TileLang program for one static configuration (dtypes as TileLang names)."""
     import tilelang.language as T
 
+    DecodeTile(rows_per_cta, threads, lanes_per_row, min_blocks, stream, late_loads).check(pool_dtype)
+    streaming = stream and T_tok == 1 and inplace and not late_loads
     K, V = K_DIM, V_DIM
-    LANES = LANES_PER_ROW
+    LANES = lanes_per_row
+    shuffles = LANES.bit_length() - 1  # butterfly steps over the lanes of one row
     vec = 16 // (4 if pool_dtype == "float32" else 2)  # state elements per 16-byte access
     per_lane = K // LANES  # state values of one row held by one lane
     nvec = per_lane // vec
     rows_per_pass = threads // LANES
     R = rows_per_cta // rows_per_pass  # rows per thread
-    assert R * rows_per_pass == rows_per_cta and V % rows_per_cta == 0 and nvec * vec == per_lane
     group = HV // H
     acc = "float32"
     N = T.dynamic("N")
@@ -76,8 +187,22 @@ def _build(H, HV, T_tok, q_dtype, ab_dtype, alog_dtype, bias_dtype, pool_dtype, 
     inter_len = T.dynamic("inter_len")
 
     def col(i, j, gl):
-        # Column of a lane's i-th vector, element j: vectors of 8 lanes tile 8*vec columns.
+        # Column of a lane's i-th vector, element j: a row's LANES lanes tile LANES*vec columns.
         return i * (LANES * vec) + gl * vec + j
+
+    @T.macro
+    def load_token(q, k, v, a, b, kk, qq, vv, ab, n, t, hv, hq, gl, row0):
+        # Every activation of one token, issued together and before any arithmetic: ptxas does
+        # not move loads across the branches of log1p, so loads placed after the gate would
+        # add their latency to every CTA's critical path.
+        for i in T.unroll(nvec):
+            for j in T.vectorized(vec):
+                kk[i * vec + j] = T.cast(k[n, t, hq, col(i, j, gl)], acc)
+                qq[i * vec + j] = T.cast(q[n, t, hq, col(i, j, gl)], acc)
+        for r in T.unroll(R):
+            vv[r] = T.cast(v[n, t, hv, row0 + r * rows_per_pass], acc)
+        ab[0] = T.cast(a[n, t, hv], acc)
+        ab[1] = T.cast(b[n, t, hv], acc)
 
     @T.prim_func
     def gdn_decode(
@@ -96,84 +221,222 @@ def _build(H, HV, T_tok, q_dtype, ab_dtype, alog_dtype, bias_dtype, pool_dtype, 
         scale: T.float32,
     ):
         with T.Kernel(V // rows_per_cta, HV, N, threads=threads) as (bv, hv, n):
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             gl = tx % LANES
             row0 = bv * rows_per_cta + tx // LANES
-            S = T.alloc_local((R, per_lane), acc)
+            # Streaming keeps the loaded rows in the pool dtype (bf16: half the registers per byte
+            # in flight) and converts, updates and stores one row at a time.
+            S = T.alloc_local((R, per_lane), pool_dtype if streaming else acc)
+            row_acc = T.alloc_local((per_lane,), acc)
             kk = T.alloc_local((per_lane,), acc)
             qq = T.alloc_local((per_lane,), acc)
+            vv = T.alloc_local((R,), acc)  # v at this thread's rows, current token
+            ab = T.alloc_local((2,), acc)  # a, b of the current token
+            par = T.alloc_local((2,), acc)  # A_log, dt_bias of this head
             red = T.alloc_local((2,), acc)
             gate = T.alloc_local((2,), acc)  # exp(g), beta of the current token
             slot = T.cast(state_indices[n], "int64")
             hq = hv // group
-            if slot < 0:
-                # Padded row of a CUDA-graph batch: zero output, state untouched.
-                for t in T.serial(T_tok):
-                    for r in T.unroll(R):
-                        if gl == 0:
-                            o[n, t, hv, row0 + r * rows_per_pass] = T.cast(0, q_dtype)
-            else:
-                base = slot * slot_stride_vec * vec + T.cast(hv * (V * K), "int64")
+            # Nothing before the state loads depends on the slot, and padded rows (slot -1) run the
+            # same arithmetic on a zero state with every store masked: the activation loads then
+            # have uses on every path, so the compiler issues them together with the index load
+            # instead of sinking them behind the slot test, and each CTA waits for memory once.
+            par[0] = T.cast(A_log[hv], acc)
+            par[1] = T.cast(dt_bias[hv], acc)
+            load_token(q, k, v, a, b, kk, qq, vv, ab, n, 0, hv, hq, gl, row0)
+            base = slot * slot_stride_vec * vec + T.cast(hv * (V * K), "int64")
+            if slot >= 0:
                 for r in T.unroll(R):
                     for i in T.unroll(nvec):
                         for j in T.vectorized(vec):
                             S[r, i * vec + j] = T.cast(
-                                pool[base + (row0 + r * rows_per_pass) * K + col(i, j, gl)], acc)
-                neg_A = -T.exp(T.cast(A_log[hv], acc))
-                for t in T.serial(T_tok):
-                    x = T.cast(a[n, t, hv], acc) + T.cast(dt_bias[hv], acc)
-                    gate[0] = T.exp(neg_A * T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log1p(T.exp(x))))
-                    gate[1] = 1.0 / (1.0 + T.exp(-T.cast(b[n, t, hv], acc)))
-                    for i in T.unroll(nvec):
-                        for j in T.vectorized(vec):
-                            kk[i * vec + j] = T.cast(k[n, t, hq, col(i, j, gl)], acc)
-                            qq[i * vec + j] = T.cast(q[n, t, hq, col(i, j, gl)], acc)
-                    if use_l2:
-                        red[0] = 0.0
-                        red[1] = 0.0
-                        for e in T.unroll(per_lane):
-                            red[0] += kk[e] * kk[e]
-                            red[1] += qq[e] * qq[e]
-                        for s in T.unroll(3):
-                            red[0] += T.shfl_xor(red[0], 1 << s)
-                            red[1] += T.shfl_xor(red[1], 1 << s)
-                        red[0] = T.rsqrt(red[0] + L2NORM_EPS)
-                        red[1] = T.rsqrt(red[1] + L2NORM_EPS) * scale
-                        for e in T.unroll(per_lane):
-                            kk[e] = kk[e] * red[0]
-                            qq[e] = qq[e] * red[1]
-                    else:
-                        for e in T.unroll(per_lane):
-                            qq[e] = qq[e] * scale
-                    for r in T.unroll(R):
-                        row = row0 + r * rows_per_pass
-                        red[0] = 0.0
-                        for e in T.unroll(per_lane):
-                            S[r, e] = S[r, e] * gate[0]
-                            red[0] += S[r, e] * kk[e]
-                        for s in T.unroll(3):
-                            red[0] += T.shfl_xor(red[0], 1 << s)
-                        red[0] = gate[1] * (T.cast(v[n, t, hv, row], acc) - red[0])
-                        red[1] = 0.0
-                        for e in T.unroll(per_lane):
-                            S[r, e] = S[r, e] + red[0] * kk[e]
-                            red[1] += S[r, e] * qq[e]
-                        for s in T.unroll(3):
-                            red[1] += T.shfl_xor(red[1], 1 << s)
-                        if gl == 0:
-                            o[n, t, hv, row] = T.cast(red[1], q_dtype)
-                        if has_inter:
+                                pool[base + (row0 + r * rows_per_pass) * K + col(i, j, gl)], S.dtype
+                            )
+            else:
+                for r in T.unroll(R):
+                    for e in T.unroll(per_lane):
+                        S[r, e] = T.cast(0, S.dtype)
+            for t in T.serial(T_tok):
+                x = ab[0] + par[1]
+                softplus = T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log1p(T.exp(x)))
+                gate[0] = T.exp(-T.exp(par[0]) * softplus)
+                gate[1] = 1.0 / (1.0 + T.exp(-ab[1]))
+                if use_l2:
+                    red[0] = 0.0
+                    red[1] = 0.0
+                    for e in T.unroll(per_lane):
+                        red[0] += kk[e] * kk[e]
+                        red[1] += qq[e] * qq[e]
+                    for s in T.unroll(shuffles):
+                        red[0] += T.shfl_xor(red[0], 1 << s)
+                        red[1] += T.shfl_xor(red[1], 1 << s)
+                    red[0] = T.rsqrt(red[0] + L2NORM_EPS)
+                    red[1] = T.rsqrt(red[1] + L2NORM_EPS) * scale
+                    for e in T.unroll(per_lane):
+                        kk[e] = kk[e] * red[0]
+                        qq[e] = qq[e] * red[1]
+                else:
+                    for e in T.unroll(per_lane):
+                        qq[e] = qq[e] * scale
+                for r in T.unroll(R):
+                    row = row0 + r * rows_per_pass
+                    for e in T.unroll(per_lane):
+                        row_acc[e] = T.cast(S[r, e], acc)
+                    red[0] = 0.0
+                    for e in T.unroll(per_lane):
+                        row_acc[e] = row_acc[e] * gate[0]
+                        red[0] += row_acc[e] * kk[e]
+                    for s in T.unroll(shuffles):
+                        red[0] += T.shfl_xor(red[0], 1 << s)
+                    red[0] = gate[1] * (vv[r] - red[0])
+                    red[1] = 0.0
+                    for e in T.unroll(per_lane):
+                        row_acc[e] = row_acc[e] + red[0] * kk[e]
+                        red[1] += row_acc[e] * qq[e]
+                    for s in T.unroll(shuffles):
+                        red[1] += T.shfl_xor(red[1], 1 << s)
+                    if gl == 0:
+                        # Padded rows: zero output.
+                        o[n, t, hv, row] = T.cast(T.if_then_else(slot >= 0, red[1], 0.0), q_dtype)
+                    if has_inter:  # noqa: SIM102 (build-time flag around a run-time test)
+                        if slot >= 0:
                             ibase = ((T.cast(n, "int64") * T_tok + t) * HV + hv) * (V * K)
                             for i in T.unroll(nvec):
                                 for j in T.vectorized(vec):
-                                    inter[ibase + row * K + col(i, j, gl)] = T.cast(S[r, i * vec + j], pool_dtype)
-                if inplace:
+                                    inter[ibase + row * K + col(i, j, gl)] = T.cast(
+                                        row_acc[i * vec + j], pool_dtype
+                                    )
+                    if streaming:
+                        # The only token: the row goes back to the pool as soon as it is done.
+                        if slot >= 0:
+                            for i in T.unroll(nvec):
+                                for j in T.vectorized(vec):
+                                    pool[base + row * K + col(i, j, gl)] = T.cast(
+                                        row_acc[i * vec + j], pool_dtype
+                                    )
+                    else:
+                        for e in T.unroll(per_lane):
+                            S[r, e] = row_acc[e]
+                if T_tok > 1:  # noqa: SIM102 (a build-time condition around a run-time one)
+                    if t + 1 < T_tok:
+                        load_token(q, k, v, a, b, kk, qq, vv, ab, n, t + 1, hv, hq, gl, row0)
+            if inplace and not streaming:  # noqa: SIM102 (build-time flag around a run-time test)
+                if slot >= 0:
                     for r in T.unroll(R):
                         for i in T.unroll(nvec):
                             for j in T.vectorized(vec):
                                 pool[base + (row0 + r * rows_per_pass) * K + col(i, j, gl)] = T.cast(
-                                    S[r, i * vec + j], pool_dtype)
+                                    S[r, i * vec + j], pool_dtype
+                                )
 
+    if late_loads:
+        # The previous load order, kept as the tile sweep's baseline: slot test first, then the
+        # state, the gate's inputs, and k, q, v behind the gate's log1p branches.
+
+        @T.prim_func
+        def gdn_decode_late(
+            q: T.Tensor((N, T_tok, H, K), q_dtype),
+            k: T.Tensor((N, T_tok, H, K), q_dtype),
+            v: T.Tensor((N, T_tok, HV, V), q_dtype),
+            a: T.Tensor((N, T_tok, HV), ab_dtype),
+            b: T.Tensor((N, T_tok, HV), ab_dtype),
+            A_log: T.Tensor((HV,), alog_dtype),
+            dt_bias: T.Tensor((HV,), bias_dtype),
+            pool: T.Tensor((pool_len,), pool_dtype),
+            state_indices: T.Tensor((N,), idx_dtype),
+            o: T.Tensor((N, T_tok, HV, V), q_dtype),
+            inter: T.Tensor((inter_len,), pool_dtype),
+            slot_stride_vec: T.int64,
+            scale: T.float32,
+        ):
+            with T.Kernel(V // rows_per_cta, HV, N, threads=threads) as (bv, hv, n):
+                if min_blocks:
+                    T.annotate_min_blocks_per_sm(min_blocks)
+                tx = T.get_thread_binding()
+                gl = tx % LANES
+                row0 = bv * rows_per_cta + tx // LANES
+                S = T.alloc_local((R, per_lane), acc)
+                kk = T.alloc_local((per_lane,), acc)
+                qq = T.alloc_local((per_lane,), acc)
+                red = T.alloc_local((2,), acc)
+                gate = T.alloc_local((2,), acc)  # exp(g), beta of the current token
+                slot = T.cast(state_indices[n], "int64")
+                hq = hv // group
+                if slot < 0:
+                    # Padded row of a CUDA-graph batch: zero output, state untouched.
+                    for t in T.serial(T_tok):
+                        for r in T.unroll(R):
+                            if gl == 0:
+                                o[n, t, hv, row0 + r * rows_per_pass] = T.cast(0, q_dtype)
+                else:
+                    base = slot * slot_stride_vec * vec + T.cast(hv * (V * K), "int64")
+                    for r in T.unroll(R):
+                        for i in T.unroll(nvec):
+                            for j in T.vectorized(vec):
+                                S[r, i * vec + j] = T.cast(
+                                    pool[base + (row0 + r * rows_per_pass) * K + col(i, j, gl)], acc
+                                )
+                    neg_A = -T.exp(T.cast(A_log[hv], acc))
+                    for t in T.serial(T_tok):
+                        x = T.cast(a[n, t, hv], acc) + T.cast(dt_bias[hv], acc)
+                        gate[0] = T.exp(neg_A * T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log1p(T.exp(x))))
+                        gate[1] = 1.0 / (1.0 + T.exp(-T.cast(b[n, t, hv], acc)))
+                        for i in T.unroll(nvec):
+                            for j in T.vectorized(vec):
+                                kk[i * vec + j] = T.cast(k[n, t, hq, col(i, j, gl)], acc)
+                                qq[i * vec + j] = T.cast(q[n, t, hq, col(i, j, gl)], acc)
+                        if use_l2:
+                            red[0] = 0.0
+                            red[1] = 0.0
+                            for e in T.unroll(per_lane):
+                                red[0] += kk[e] * kk[e]
+                                red[1] += qq[e] * qq[e]
+                            for s in T.unroll(shuffles):
+                                red[0] += T.shfl_xor(red[0], 1 << s)
+                                red[1] += T.shfl_xor(red[1], 1 << s)
+                            red[0] = T.rsqrt(red[0] + L2NORM_EPS)
+                            red[1] = T.rsqrt(red[1] + L2NORM_EPS) * scale
+                            for e in T.unroll(per_lane):
+                                kk[e] = kk[e] * red[0]
+                                qq[e] = qq[e] * red[1]
+                        else:
+                            for e in T.unroll(per_lane):
+                                qq[e] = qq[e] * scale
+                        for r in T.unroll(R):
+                            row = row0 + r * rows_per_pass
+                            red[0] = 0.0
+                            for e in T.unroll(per_lane):
+                                S[r, e] = S[r, e] * gate[0]
+                                red[0] += S[r, e] * kk[e]
+                            for s in T.unroll(shuffles):
+                                red[0] += T.shfl_xor(red[0], 1 << s)
+                            red[0] = gate[1] * (T.cast(v[n, t, hv, row], acc) - red[0])
+                            red[1] = 0.0
+                            for e in T.unroll(per_lane):
+                                S[r, e] = S[r, e] + red[0] * kk[e]
+                                red[1] += S[r, e] * qq[e]
+                            for s in T.unroll(shuffles):
+                                red[1] += T.shfl_xor(red[1], 1 << s)
+                            if gl == 0:
+                                o[n, t, hv, row] = T.cast(red[1], q_dtype)
+                            if has_inter:
+                                ibase = ((T.cast(n, "int64") * T_tok + t) * HV + hv) * (V * K)
+                                for i in T.unroll(nvec):
+                                    for j in T.vectorized(vec):
+                                        inter[ibase + row * K + col(i, j, gl)] = T.cast(
+                                            S[r, i * vec + j], pool_dtype
+                                        )
+                    if inplace:
+                        for r in T.unroll(R):
+                            for i in T.unroll(nvec):
+                                for j in T.vectorized(vec):
+                                    pool[base + (row0 + r * rows_per_pass) * K + col(i, j, gl)] = T.cast(
+                                        S[r, i * vec + j], pool_dtype
+                                    )
+
+        return gdn_decode_late
     return gdn_decode
 
 
@@ -207,25 +470,121 @@ def _get_kernel(key: tuple):
     return kernel
 
 
-def _tile_for(num_pairs: int, pool_dtype: torch.dtype) -> tuple[int, int]:
-    """(rows_per_cta, threads) from DECODE_CONFIGS: a smaller tile when few (n, hv) pairs."""
-    cfg = DECODE_CONFIGS[_TL_DTYPES[pool_dtype]]
-    if num_pairs <= DECODE_CONFIGS["small_max_pairs"]:
-        return cfg["small_rows_per_cta"], cfg["small_threads"]
-    return cfg["rows_per_cta"], cfg["threads"]
+_forced_tile: DecodeTile | None = None  # set by force_tile (tile sweeps); None: DECODE_CONFIGS decides
 
 
-def _key(H, HV, T_tok, q_dtype, ab_dtype, alog_dtype, bias_dtype, pool_dtype, idx_dtype, use_l2, has_inter,
-         inplace, tile):
-    return (H, HV, T_tok, _TL_DTYPES[q_dtype], _TL_DTYPES[ab_dtype], _TL_DTYPES[alog_dtype], _TL_DTYPES[bias_dtype],
-            _TL_DTYPES[pool_dtype], _TL_DTYPES[idx_dtype], bool(use_l2), bool(has_inter), bool(inplace), *tile)
+def _configured_tiles(pool_dtype: str) -> list[tuple[int | None, DecodeTile]]:
+    """DECODE_CONFIGS' tiles for one pool dtype as (max_pairs or None for no limit, tile), in order.
+
+    Two forms are read: ``"bands": [(max_pairs, "ROWSxTHREADS[lLANES][bMINBLOCKS]"), ...,
+    (None, "...")]`` (first band whose max_pairs >= the call's (sequence, head) pairs wins), or
+    the keys ``rows_per_cta``/``threads`` with ``small_rows_per_cta``/``small_threads`` up to
+    ``DECODE_CONFIGS["small_max_pairs"]`` (8 lanes per row unless ``lanes_per_row`` /
+    ``small_lanes_per_row`` say otherwise).
+    """
+    cfg = DECODE_CONFIGS[pool_dtype]
+    if "bands" in cfg:
+        bands = [
+            (limit, DecodeTile.parse(t) if isinstance(t, str) else DecodeTile(*t))
+            for limit, t in cfg["bands"]
+        ]
+    else:
+        small = DecodeTile(
+            cfg["small_rows_per_cta"],
+            cfg["small_threads"],
+            cfg.get("small_lanes_per_row", LANES_PER_ROW),
+            cfg.get("small_min_blocks", 0),
+        )
+        large = DecodeTile(
+            cfg["rows_per_cta"],
+            cfg["threads"],
+            cfg.get("lanes_per_row", LANES_PER_ROW),
+            cfg.get("min_blocks", 0),
+        )
+        bands = [(DECODE_CONFIGS["small_max_pairs"], small), (None, large)]
+    if not bands or bands[-1][0] is not None:
+        raise ValueError(f"DECODE_CONFIGS[{pool_dtype!r}]: the last band must have no pair limit (None)")
+    for _, tile in bands:
+        tile.check(pool_dtype)
+    return bands
 
 
-def warmup(H: int, HV: int, T: int = 1, *, dtype: torch.dtype = torch.bfloat16,
-           pool_dtype: torch.dtype = torch.float32, gate_dtype: torch.dtype = torch.float32,
-           bias_dtype: torch.dtype | None = None, ab_dtype: torch.dtype | None = None,
-           index_dtype: torch.dtype = torch.int32, use_qk_l2norm: bool = True,
-           intermediate_states: bool = False, inplace_final_state: bool = True) -> int:
+def _tile_for(num_pairs: int, pool_dtype: torch.dtype) -> DecodeTile:
+    """The tile for a call with ``num_pairs`` (sequence, value head) pairs: smaller tiles (more
+    CTAs) when there are few pairs."""
+    if _forced_tile is not None:
+        return _forced_tile
+    for limit, tile in _configured_tiles(_TL_DTYPES[pool_dtype]):
+        if limit is None or num_pairs <= limit:
+            return tile
+    raise AssertionError("unreachable: the last band has no limit")
+
+
+class force_tile:
+    """Context manager: every call inside uses ``tile`` (a DecodeTile or its text), whatever
+    DECODE_CONFIGS says. For tile sweeps; not thread-safe, not for serving."""
+
+    def __init__(self, tile):
+        self.tile = DecodeTile.parse(tile) if isinstance(tile, str) else DecodeTile(*tile)
+
+    def __enter__(self):
+        global _forced_tile
+        self.saved, _forced_tile = _forced_tile, self.tile
+        return self.tile
+
+    def __exit__(self, *exc):
+        global _forced_tile
+        _forced_tile = self.saved
+        return False
+
+
+def _key(
+    H,
+    HV,
+    T_tok,
+    q_dtype,
+    ab_dtype,
+    alog_dtype,
+    bias_dtype,
+    pool_dtype,
+    idx_dtype,
+    use_l2,
+    has_inter,
+    inplace,
+    tile,
+):
+    return (
+        H,
+        HV,
+        T_tok,
+        _TL_DTYPES[q_dtype],
+        _TL_DTYPES[ab_dtype],
+        _TL_DTYPES[alog_dtype],
+        _TL_DTYPES[bias_dtype],
+        _TL_DTYPES[pool_dtype],
+        _TL_DTYPES[idx_dtype],
+        bool(use_l2),
+        bool(has_inter),
+        bool(inplace),
+        *tile,
+    )
+
+
+def warmup(
+    H: int,
+    HV: int,
+    T: int = 1,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    pool_dtype: torch.dtype = torch.float32,
+    gate_dtype: torch.dtype = torch.float32,
+    bias_dtype: torch.dtype | None = None,
+    ab_dtype: torch.dtype | None = None,
+    index_dtype: torch.dtype = torch.int32,
+    use_qk_l2norm: bool = True,
+    intermediate_states: bool = False,
+    inplace_final_state: bool = True,
+) -> int:
     """Compile (or load from TileLang's cache) every tile variant of one static configuration.
 
     The kernel is keyed on every input's dtype, so each must be the one the engine will pass
@@ -244,9 +603,29 @@ def warmup(H: int, HV: int, T: int = 1, *, dtype: torch.dtype = torch.bfloat16,
     before = compile_count
     bias_dtype = gate_dtype if bias_dtype is None else bias_dtype
     ab_dtype = dtype if ab_dtype is None else ab_dtype
-    for tile in {_tile_for(1, pool_dtype), _tile_for(1 << 30, pool_dtype)}:
-        _get_kernel(_key(H, HV, T, dtype, ab_dtype, gate_dtype, bias_dtype, pool_dtype, index_dtype, use_qk_l2norm,
-                         intermediate_states, inplace_final_state, tile))
+    tiles = (
+        {_forced_tile}
+        if _forced_tile is not None
+        else {t for _, t in _configured_tiles(_TL_DTYPES[pool_dtype])}
+    )
+    for tile in tiles:
+        _get_kernel(
+            _key(
+                H,
+                HV,
+                T,
+                dtype,
+                ab_dtype,
+                gate_dtype,
+                bias_dtype,
+                pool_dtype,
+                index_dtype,
+                use_qk_l2norm,
+                intermediate_states,
+                inplace_final_state,
+                tile,
+            )
+        )
     return compile_count - before
 
 
@@ -255,9 +634,23 @@ def _flat(x: torch.Tensor, span: int) -> torch.Tensor:
     return torch.as_strided(x, (span,), (1,))
 
 
-def gated_delta_rule_decode_fwd(q, k, v, a, b, A_log, dt_bias, *, state_pool, state_indices,
-                                scale: float, use_qk_l2norm: bool, out, intermediate_states=None,
-                                inplace_final_state: bool = True) -> None:
+def gated_delta_rule_decode_fwd(
+    q,
+    k,
+    v,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    *,
+    state_pool,
+    state_indices,
+    scale: float,
+    use_qk_l2norm: bool,
+    out,
+    intermediate_states=None,
+    inplace_final_state: bool = True,
+) -> None:
     """Run the fused decode step (kernel entry point; the op layer validates the inputs).
 
     Args:
@@ -295,12 +688,37 @@ def gated_delta_rule_decode_fwd(q, k, v, a, b, A_log, dt_bias, *, state_pool, st
         inter_flat = pool_flat  # unused by the kernel compiled without intermediates
     if N == 0:
         return
-    key = _key(H, HV, T_tok, q.dtype, a.dtype, A_log.dtype, dt_bias.dtype, state_pool.dtype, state_indices.dtype,
-               use_qk_l2norm, intermediate_states is not None, inplace_final_state,
-               _tile_for(N * HV, state_pool.dtype))
+    key = _key(
+        H,
+        HV,
+        T_tok,
+        q.dtype,
+        a.dtype,
+        A_log.dtype,
+        dt_bias.dtype,
+        state_pool.dtype,
+        state_indices.dtype,
+        use_qk_l2norm,
+        intermediate_states is not None,
+        inplace_final_state,
+        _tile_for(N * HV, state_pool.dtype),
+    )
     kernel = _get_kernel(key)
-    kernel(q, k, v, a, b, A_log, dt_bias, pool_flat, state_indices, out, inter_flat,
-           slot_stride // vec, float(scale))
+    kernel(
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        pool_flat,
+        state_indices,
+        out,
+        inter_flat,
+        slot_stride // vec,
+        float(scale),
+    )
 
 
 def compiled_kernels() -> int:
@@ -308,4 +726,11 @@ def compiled_kernels() -> int:
     return compile_count
 
 
-__all__ = ["gated_delta_rule_decode_fwd", "warmup", "compiled_kernels", "MAX_TOKENS"]
+__all__ = [
+    "MAX_TOKENS",
+    "DecodeTile",
+    "compiled_kernels",
+    "force_tile",
+    "gated_delta_rule_decode_fwd",
+    "warmup",
+]

@@ -1,0 +1,108 @@
+"""`qla-serving bench decode` on the CPU: target bookkeeping, argument checks, and loading the
+engines' FLA decode kernels from source files without the engine installed."""
+
+import sys
+import textwrap
+
+import pytest
+
+from qla_serving.bench import decode as bench
+
+
+def _row(impl, ms, gbs, state="fp32", batch=256, hqk=2, hv=8):
+    return {
+        "op": "decode",
+        "hqk": hqk,
+        "hv": hv,
+        "batch": str(batch),
+        "state": state,
+        "impl": impl,
+        "mode": "graph",
+        "ms": ms,
+        "reps": 1,
+        "gbs": gbs,
+    }
+
+
+def test_summary_judges_fla_by_the_engine_call():
+    rows = [
+        _row("qla", 0.100, 3800.0),
+        _row("fla", 0.140, 2700.0),  # the engines' call: 1.4x, meets the 1.3x target
+        _row("fla-unindexed", 0.095, 4000.0),  # faster, but not how engines call FLA: no target
+        _row("flashinfer", 0.098, 3880.0),  # 0.98x: meets 95%
+    ]
+    lines = summary = bench.summary(rows, copy_gbs=4000.0)
+    header = next(ln for ln in lines if ln.startswith("| hqk"))
+    assert "fla-unindexed GB/s" in header and "qla/fla |" in header
+    row = next(ln for ln in summary if ln.startswith("| 2 | 8 | fp32 | 256"))
+    assert "1.40x" in row and "95.0%" in row
+    assert lines[-1] == "Targets missed: none"
+    rows[1]["ms"] = 0.120  # 1.2x the engines' FLA
+    rows[0]["gbs"] = 3500.0  # 87.5% of copy
+    missed = bench.summary(rows, copy_gbs=4000.0)[-1]
+    assert "1.20x FLA (engine call)" in missed and "87.5% of copy" in missed
+    assert "FlashInfer" not in missed
+
+
+def test_bad_sweep_tile_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--sweep-tiles", "32x64", "32by64"])
+    assert e.value.code == 2
+    assert "expected ROWSxTHREADS" in capsys.readouterr().err
+
+
+def test_engine_fla_dir_must_hold_both_files(tmp_path):
+    (tmp_path / "fused_recurrent.py").write_text("")
+    with pytest.raises(FileNotFoundError, match="fused_sigmoid_gating.py"):
+        bench._load_vllm_fla_sources(tmp_path)
+
+
+def test_engine_fla_loads_from_source_without_vllm(tmp_path):
+    """Files that import like vLLM's (``vllm.triton_utils``, ``.op``) load, and no stub stays."""
+    pytest.importorskip("triton")
+    if "vllm" in sys.modules:
+        pytest.skip("vLLM is imported in this process")
+    (tmp_path / "fused_recurrent.py").write_text(
+        textwrap.dedent("""
+        from vllm.triton_utils import tl, triton
+
+        from .op import exp
+
+
+        def fused_recurrent_gated_delta_rule_packed_decode(**kwargs):
+            return exp, tl, triton
+    """)
+    )
+    (tmp_path / "fused_sigmoid_gating.py").write_text(
+        textwrap.dedent("""
+        from vllm.triton_utils import tl, triton
+
+
+        def fused_sigmoid_gating_delta_rule_update(**kwargs):
+            return tl
+    """)
+    )
+    import triton.language as tl
+
+    engine = bench._load_vllm_fla_sources(tmp_path)
+    exp, got_tl, _ = engine.packed_decode()
+    assert exp is tl.exp and got_tl is tl and engine.sigmoid_gating() is tl
+    assert tmp_path.name in engine.label and "sha256" in engine.label
+    assert "vllm" not in sys.modules and "vllm.triton_utils" not in sys.modules
+
+
+def test_sweep_cases_prefixes_and_skips():
+    messages = []
+    cases = bench._sweep_cases(
+        ["32x128late", "bf16:32x64s", "fp32:8x32l32s", "16x32l32s"], ["fp32", "bf16"], messages.append
+    )
+    assert [(str(t), s) for t, s in cases] == [
+        ("32x128late", "fp32"),
+        ("32x128late", "bf16"),
+        ("32x64s", "bf16"),
+        ("8x32l32s", "fp32"),
+        ("16x32l32s", "fp32"),
+    ]
+    assert len(messages) == 1 and "16x32l32s bf16" in messages[0]  # 32 lanes cannot hold bf16 vectors
+    with pytest.raises(ValueError, match="prefix must be one of"):
+        bench._split_tile("fp16:32x64")
