@@ -685,16 +685,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {name}: {type(e).__name__}: {e}", file=sys.stderr)
     if engine is not None:
         meta["fla_engine"] = engine.label
-    rows, notes = run(
-        args.batch,
-        args.heads,
-        args.state,
-        impls,
-        args.iters,
-        log=lambda s: print(s, flush=True),
-        engine=engine,
-    )
-    lines = summary(rows, meta["copy_gbs"])
     about = [
         (
             f"- fla: engines' call, {meta.get('fla_engine', 'not run')}: "
@@ -711,14 +701,27 @@ def main(argv: list[str] | None = None) -> int:
         ),
     ]
     path = common.results_path("decode", meta["gpu"], args.out_dir)
-    common.write_results(
-        path,
-        meta,
-        rows,
-        ["hqk", "hv", "state", "batch"],
-        [i for i in IMPLS if i in impls],
-        notes="\n".join(about + notes + lines),
-    )
+    rows, notes = [], []
+    for heads in args.heads:  # results rewritten after each head configuration: a cut-off run keeps them
+        got, got_notes = run(
+            args.batch,
+            [heads],
+            args.state,
+            impls,
+            args.iters,
+            log=lambda s: print(s, flush=True),
+            engine=engine,
+        )
+        rows, notes = rows + got, notes + got_notes
+        lines = summary(rows, meta["copy_gbs"])
+        common.write_results(
+            path,
+            meta,
+            rows,
+            ["hqk", "hv", "state", "batch"],
+            [i for i in IMPLS if i in impls],
+            notes="\n".join(about + notes + lines),
+        )
     print("\n".join(notes + lines))
     print(f"wrote {path} and {path.with_suffix('.md')}")
     return 0
