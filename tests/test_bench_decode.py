@@ -106,3 +106,31 @@ def test_sweep_cases_prefixes_and_skips():
     assert len(messages) == 1 and "16x32l32s bf16" in messages[0]  # 32 lanes cannot hold bf16 vectors
     with pytest.raises(ValueError, match="prefix must be one of"):
         bench._split_tile("fp16:32x64")
+
+
+def test_sweep_report_picks_best_tiles_and_leaves_out_failures():
+    def r(tile, ms, batch, hv=8, hqk=2):
+        return {**_row("qla", ms, 1000.0, batch=batch, hv=hv, hqk=hqk), "tile": tile}
+
+    rows = [
+        r("32x128", 0.10, 256),
+        r("8x32s", 0.09, 256),
+        r("16x32s", 0.05, 256),
+        r("32x128", 0.20, 512),
+        r("8x32s", 0.19, 512),
+        r("16x32s", 0.10, 512),
+        r("32x128", 1.00, 256, hv=64, hqk=16),
+        r("8x32s", 1.10, 256, hv=64, hqk=16),
+    ]
+    failed = {("16x32s", "fp32")}  # fastest, but wrong: must not be picked
+    notes = [
+        "- check H/HV=2/8 fp32 N=64 vs float64 oracle: qla out 1.0e+00 state 1.0e+00 — QLA FAILS [tile 16x32s]"
+    ]
+    lines = bench.sweep_report(rows, failed, notes, copy_gbs=4000.0)
+    best = [ln for ln in lines if ln.startswith("| 2/8 | fp32 | 256")][0]
+    assert "| 8x32s | 90.00 |" in best and best.endswith("1.111x |")  # configured 32x128 -> 8x32s
+    small = next(ln for ln in lines if ln.startswith("- fp32, <= 4096"))
+    assert small.split(": ")[1].startswith("8x32s 1.000x") and "16x32s" not in small
+    large = next(ln for ln in lines if ln.startswith("- fp32, > 4096"))
+    assert large.split(": ")[1].startswith("32x128 1.000x")
+    assert lines[-1].endswith("QLA FAILS [tile 16x32s]")

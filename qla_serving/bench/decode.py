@@ -516,20 +516,21 @@ def compile_only(args, log=print) -> int:
     return 0
 
 
-def sweep_tiles(tiles, batches, heads, states, iters, copy_gbs, log=print) -> tuple[list[dict], list[str]]:
+def sweep_tiles(tiles, batches, heads, states, iters, copy_gbs, log=print, on_case=None):
     """Time our kernel under each candidate tile (forced for every batch), each checked against
-    the oracle; returns rows (``"impl": "qla"``, plus ``"tile"``) and the markdown lines."""
+    the oracle. Returns rows (``"impl": "qla"``, plus ``"tile"``) and the markdown lines;
+    ``on_case(rows, lines)`` is called after each (tile, state) with the results so far."""
     from qla_serving.kernels import decode
 
-    rows, lines, failed = [], [], set()
+    rows, notes, failed = [], [], set()
     for tile, state_name in _sweep_cases(tiles, states, log):
         t0, compiled0 = time.perf_counter(), decode.compiled_kernels()
         with decode.force_tile(tile):
-            got, notes = run(batches, heads, [state_name], ["qla"], iters, log=lambda s: None)
-        for note in notes:
+            got, got_notes = run(batches, heads, [state_name], ["qla"], iters, log=lambda s: None)
+        for note in got_notes:
             if "FAILS" in note or "failed" in note:
                 failed.add((str(tile), state_name))
-            lines.append(f"{note} [tile {tile}]")
+            notes.append(f"{note} [tile {tile}]")
         for r in got:
             r["tile"] = str(tile)
             log(
@@ -541,13 +542,25 @@ def sweep_tiles(tiles, batches, heads, states, iters, copy_gbs, log=print) -> tu
             f"tile {tile} {state_name}: {time.perf_counter() - t0:.1f} s, "
             f"{decode.compiled_kernels() - compiled0} kernels compiled or loaded"
         )
+        if on_case is not None:
+            on_case(rows, sweep_report(rows, failed, notes, copy_gbs))
+    return rows, sweep_report(rows, failed, notes, copy_gbs)
+
+
+SWEEP_BAND_SPLIT = 4096  # (sequence, head) pairs: 2/8 heads up to batch 512, 16/64 up to batch 64
+
+
+def sweep_report(rows, failed, notes, copy_gbs) -> list[str]:
+    """Markdown: every measurement, the best tile per cell next to the configured one, and the
+    tile that is best overall below and above ``SWEEP_BAND_SPLIT`` pairs, per state."""
+    from qla_serving.kernels import decode
+
     table = ["| tile | hqk/hv | state | batch | us | GB/s | % copy |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(
             f"| {r['tile']} | {r['hqk']}/{r['hv']} | {r['state']} | {r['batch']} | {r['ms'] * 1e3:.2f} | "
             f"{r['gbs']:.0f} | {100 * r['gbs'] / copy_gbs:.1f}% |"
         )
-    # Best tile per cell, next to the tile DECODE_CONFIGS picks today.
     best = [
         "",
         "Best tile per cell (tiles failing the oracle check left out):",
@@ -563,7 +576,6 @@ def sweep_tiles(tiles, batches, heads, states, iters, copy_gbs, log=print) -> tu
         top = min(rs, key=lambda r: r["ms"])
         configured = str(decode._tile_for(n * hv, STATE_DTYPES[st]))
         cur = next((r for r in rs if r["tile"] == configured), None)
-        gain = f"{cur['ms'] / top['ms']:.3f}x" if cur else "–"
         best.append(
             f"| {h}/{hv} | {st} | {n} | {configured} | {cur['ms'] * 1e3:.2f} | "
             if cur
@@ -571,9 +583,37 @@ def sweep_tiles(tiles, batches, heads, states, iters, copy_gbs, log=print) -> tu
         )
         best[-1] += (
             f"{top['tile']} | {top['ms'] * 1e3:.2f} | {top['gbs']:.0f} | {100 * top['gbs'] / copy_gbs:.1f}% | "
-            f"{gain} |"
+            + (f"{cur['ms'] / top['ms']:.3f}x |" if cur else "– |")
         )
-    return rows, table + best + [""] + [ln for ln in lines if ln.startswith("- check")]
+    # One tile per band: the smallest geometric mean, over the band's cells, of time / the cell's best.
+    overall = [
+        "",
+        f"Best tile per band (geometric mean of time / each cell's best; split at {SWEEP_BAND_SPLIT} pairs):",
+        "",
+    ]
+    for st in STATE_DTYPES:
+        for name, inside in (
+            (f"<= {SWEEP_BAND_SPLIT} pairs", lambda p: p <= SWEEP_BAND_SPLIT),
+            (f"> {SWEEP_BAND_SPLIT} pairs", lambda p: p > SWEEP_BAND_SPLIT),
+        ):
+            group = {key: rs for key, rs in cells.items() if key[2] == st and inside(key[1] * key[3])}
+            if not group:
+                continue
+            tiles = set.intersection(*({r["tile"] for r in rs} for rs in group.values()))
+            score = {}
+            for t in tiles:
+                logs = [
+                    math.log(next(r["ms"] for r in rs if r["tile"] == t) / min(r["ms"] for r in rs))
+                    for rs in group.values()
+                ]
+                score[t] = math.exp(sum(logs) / len(logs))
+            ranked = sorted(score, key=score.get)
+            overall.append(
+                f"- {st}, {name} ({len(group)} cells): "
+                + ", ".join(f"{t} {score[t]:.3f}x" for t in ranked[:5])
+                + (f"; worst {ranked[-1]} {score[ranked[-1]]:.3f}x" if len(ranked) > 5 else "")
+            )
+    return table + best + overall + [""] + [ln for ln in notes if ln.startswith("- check")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -640,18 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["command"] = " ".join(shlex.quote(x) for x in ["qla-serving", "bench", "decode", *argv])
     print(f"{meta['gpu']}: copy {meta['copy_gbs']} GB/s", flush=True)
     if args.sweep_tiles:
-        rows, lines = sweep_tiles(
-            args.sweep_tiles,
-            args.sweep_batch,
-            args.sweep_heads,
-            args.sweep_state,
-            args.iters,
-            meta["copy_gbs"],
-            log=lambda s: print(s, flush=True),
-        )
         path = common.results_path("decode-tiles", meta["gpu"], args.out_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         header = [
             f"# {path.stem}",
             "",
@@ -664,7 +694,22 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "",
         ]
-        path.with_suffix(".md").write_text("\n".join(header + lines) + "\n")
+
+        def write(rows, lines):  # after every case: a run cut off keeps what it measured
+            path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+            path.with_suffix(".md").write_text("\n".join(header + lines) + "\n")
+
+        rows, lines = sweep_tiles(
+            args.sweep_tiles,
+            args.sweep_batch,
+            args.sweep_heads,
+            args.sweep_state,
+            args.iters,
+            meta["copy_gbs"],
+            log=lambda s: print(s, flush=True),
+            on_case=write,
+        )
+        write(rows, lines)
         print("\n".join(lines))
         print(f"wrote {path} and {path.with_suffix('.md')}", flush=True)
         if not args.also_bench:
