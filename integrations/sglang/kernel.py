@@ -76,6 +76,16 @@ def _as_list(x) -> list[int] | None:
     return [int(v) for v in x]
 
 
+def _value_heads(attn_backend) -> int | None:
+    """Value heads per GPU of the GDN layers, from SGLang's recurrent-state pool
+    (``mamba_cache.temporal``: ``[layers, slots, HV, V, K]``); None where this SGLang keeps it
+    elsewhere: the plan then goes without AutoCP."""
+    pool = getattr(getattr(attn_backend, "req_to_token_pool", None), "mamba_pool", None)
+    temporal = getattr(getattr(pool, "mamba_cache", None), "temporal", None)
+    shape = getattr(temporal, "shape", None)
+    return int(shape[-3]) if shape is not None and len(shape) >= 3 else None
+
+
 class FlashQLAGDNKernel(LinearAttnKernelBase):
     """SGLang GDN kernel object running qla-serving's prefill and decode ops.
 
@@ -99,6 +109,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         self.fallback = fallback
         self.phases = frozenset(phases)
         self.track_chunk_size = 64
+        self.num_v_heads: int | None = None  # from the state pool at the first batch (for AutoCP)
         # The latest extend batches, newest first, found by query_start_loc identity.
         self._batches: list[BatchPlan] = []
 
@@ -140,7 +151,10 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             if lens:
                 cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
             every = self.track_chunk_size if track and self.track_chunk_size % 64 == 0 else None
-            plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=every)
+            if self.num_v_heads is None:
+                self.num_v_heads = _value_heads(attn_backend)
+            plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=every,
+                                num_v_heads=self.num_v_heads)
         self._remember(BatchPlan(query_start_loc=query_start_loc, plan=plan, track=track))
 
     def _remember(self, batch: BatchPlan) -> BatchPlan:
@@ -174,7 +188,8 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
                 "(no CPU lengths for this batch; one host sync per batch)",
             )
             cu = query_start_loc.cpu()
-        batch.plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=checkpoint_every)
+        batch.plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=checkpoint_every,
+                                  num_v_heads=self.num_v_heads)
         return batch.plan
 
     # ------------------------------------------------------------------ extend

@@ -77,16 +77,29 @@ def prefill_query_lens_cpu(
 _last_plan: tuple[tuple, PrefillPlan] | None = None
 
 
-def cached_plan(cu_seqlens_cpu: torch.Tensor, device: torch.device) -> PrefillPlan:
+def cached_plan(cu_seqlens_cpu: torch.Tensor, device: torch.device, num_v_heads: int | None = None) -> PrefillPlan:
     """:func:`plan_prefill`, reusing the previous plan when another KV-cache group of the same
-    step (or a step with identical lengths) asks for the same one."""
+    step (or a step with identical lengths) asks for the same one. With ``num_v_heads`` (the
+    GDN layers' value heads on this GPU) the planner also decides AutoCP."""
     global _last_plan
-    key = (str(device), tuple(cu_seqlens_cpu.tolist()))
+    key = (str(device), tuple(cu_seqlens_cpu.tolist()), num_v_heads)
     if _last_plan is not None and _last_plan[0] == key:
         return _last_plan[1]
-    plan = plan_prefill(cu_seqlens_cpu, device=device)
+    plan = plan_prefill(cu_seqlens_cpu, device=device, num_v_heads=num_v_heads)
     _last_plan = (key, plan)
     return plan
+
+
+def _value_heads(kv_cache_spec) -> int | None:
+    """Value heads per GPU of the GDN layers: the recurrent state's shape ``(HV, V, K)`` is the
+    second of a GDN ``MambaSpec``'s shapes (conv state first). None if this vLLM lays it out
+    otherwise: the plan then goes without AutoCP."""
+    shapes = getattr(kv_cache_spec, "shapes", None)
+    try:
+        hv = int(shapes[1][0])
+    except (TypeError, IndexError, ValueError):
+        return None
+    return hv if hv > 0 else None
 
 
 class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -95,6 +108,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.qla_requested = flashqla_requested(vllm_config)
+        self.qla_num_v_heads = _value_heads(kv_cache_spec)
 
     def build(  # type: ignore[override]
         self,
@@ -155,7 +169,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             lens = lens[keep]
         cu = torch.zeros(lens.numel() + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=cu[1:])
-        md.qla_plan = cached_plan(cu, m.query_start_loc.device)
+        md.qla_plan = cached_plan(cu, m.query_start_loc.device, self.qla_num_v_heads)
         md.qla_prefill_state_indices = state_indices
         md.qla_prefill_has_initial_state = has_initial
         md.qla_prefill_rows = rows
