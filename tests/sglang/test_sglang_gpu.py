@@ -209,17 +209,17 @@ def test_decode_is_cuda_graph_capturable_through_the_kernel_object():
     assert torch.equal(out, eager) and torch.equal(pool, eager_pool)
 
 
-def test_binding_on_sm90_keeps_our_kernel_and_compiles(publish_args):
+def test_binding_on_sm90_keeps_our_kernel_and_compiles(publish_args, build_dispatcher):
+    """SGLang's own resolver and dispatcher (either signature, 0.5.17's module globals or the
+    later LinearAttnBackends) give our kernel for every phase; binding on an SM90 GPU keeps it
+    (no fallback reason) and compiles the configurations the model will call."""
     import types
 
     from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel, bind_to_runner
     from qla_serving.integrations.sglang.patch import our_kernel
-    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
-    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
 
-    publish_args("--linear-attn-backend", "flashqla")
-    b = resolve_linear_attn_backends()
-    d = GDNKernelDispatcher(b.decode, b.prefill, b.verify)
+    args = publish_args("--linear-attn-backend", "flashqla")
+    _, d = build_dispatcher(args)
     temporal = torch.zeros(2, 4, HV, V, K, device=DEV)
     layer = torch.nn.Module()
     layer.num_k_heads, layer.num_v_heads, layer.head_k_dim = H, HV, K
