@@ -40,9 +40,15 @@ status=0
 ((PIPESTATUS[0] == 0)) || status=1
 case $mode in
   tests)
-    (cd "$QLA_STAGE" && QLA_STRICT=1 timeout 420 python3 -m pytest -q -rA -p no:cacheprovider \
-      tests/sglang/test_sglang_gpu.py 2>&1) | tee "$out/sglang-gpu-tests.log"
+    # QLA_REQUIRE_SGLANG=1: an SGLang that does not import fails instead of skipping the directory
+    (cd "$QLA_STAGE" && QLA_STRICT=1 QLA_REQUIRE_SGLANG=1 timeout 420 python3 -m pytest -q -rA \
+      -p no:cacheprovider tests/sglang/test_sglang_gpu.py 2>&1) | tee "$out/sglang-gpu-tests.log"
     ((PIPESTATUS[0] == 0 || status)) || status=2
+    # A skipped GPU test (no SM90 GPU seen, TileLang not importable) is a failed acceptance here.
+    if grep -Eq '[0-9]+ skipped' "$out/sglang-gpu-tests.log"; then
+      echo "sglang_gpu_accept: GPU tests were skipped (see the reasons above)"
+      ((status)) || status=2
+    fi
     ;;
   engine)
     (cd "$QLA_STAGE" && python3 e2e_bench/sglang_offline.py --out-dir "$out" "$@" 2>&1) | tee "$out/sglang-offline.log"
