@@ -33,11 +33,13 @@ runs, so the backends can be split over several commands).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -393,17 +395,22 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         print(f"== {backend}: engine run (log {log_path})", flush=True)
         with open(log_path, "w") as log:
+            # Own process group: a timed-out engine's scheduler and detokenizer go with it
+            # instead of holding the GPU for the next backend.
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--worker", str(spec_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
             try:
-                rc = subprocess.run(
-                    [sys.executable, __file__, "--worker", str(spec_path)],
-                    check=False,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    timeout=args.timeout,
-                ).returncode
+                rc = proc.wait(timeout=args.timeout)
             except subprocess.TimeoutExpired:
-                rc = "timeout"
+                rc = f"timeout after {args.timeout} s"
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever the engine left running
+            proc.wait()
         text = log_path.read_text(errors="replace")
         try:
             r = json.loads(pathlib.Path(spec["result"]).read_text())
