@@ -59,7 +59,7 @@ _compile_count = 0
 
 
 def compile_count() -> int:
-    """Number of static configurations built in this process (each one is three kernels)."""
+    """Number of static configurations built in this process (each one is two kernels: prep and chunk_fwd)."""
     return _compile_count
 
 
