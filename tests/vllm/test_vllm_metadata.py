@@ -109,3 +109,21 @@ def test_prefix_caching_align_mode_writes_the_block_of_the_last_token(registered
     want = [int(table[i, (seq[i] - 1) // block]) for i in range(2, len(query))]
     assert md.qla_prefill_state_indices.tolist() == want == md.prefill_state_indices.tolist()
     assert md.qla_plan.seq_lens == query[2:]
+
+
+def test_builder_gives_the_planner_the_value_heads(layer, flashqla_config, monkeypatch):
+    """The builder reads the GDN value heads per GPU from vLLM's real MambaSpec (the recurrent
+    state's shape) and plans AutoCP with them: a long prefill is cut into segments when the
+    plan's device has multiprocessors (faked here: the CPU has none)."""
+    from qla_serving import plan as plan_mod
+    from qla_serving.integrations.vllm import metadata as md_mod
+
+    builder = metadata_builder(layer, flashqla_config)
+    spec = layer.get_kv_cache_spec(flashqla_config)
+    assert builder.qla_num_v_heads == spec.shapes[1][0] == layer.num_v_heads // layer.tp_size
+    monkeypatch.setattr(plan_mod, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(md_mod, "_last_plan", None)
+    md = builder.build(0, common_metadata([16384], [0], [3]))
+    cp = md.qla_plan.context_parallel
+    assert cp is not None and len(cp.segments[0]) > 1
+    assert md.qla_plan.work_items_cpu.shape[0] == len(cp.segments[0])
