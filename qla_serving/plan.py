@@ -152,8 +152,7 @@ def plan_prefill(
         if sm_count is None:
             sm_count = _sm_count(device)
         if sm_count:
-            cp = plan_context_parallel(lens.tolist(), num_v_heads, sm_count, segment_tokens=cp_segment_tokens,
-                                       v_blocks_per_head=_v_blocks_per_head())
+            cp = plan_context_parallel(lens.tolist(), num_v_heads, sm_count, segment_tokens=cp_segment_tokens)
     work_items = _work_items(lens, chunks, cp, chunk_size)
 
     def to_device(x: torch.Tensor) -> torch.Tensor:
@@ -188,12 +187,6 @@ def _work_items(lens: torch.Tensor, chunks: torch.Tensor, cp: ContextParallelPla
         for s, e in zip(starts, ends):
             rows.append((i, max(s - warm, 0), s, e))
     return torch.tensor(rows, dtype=torch.int32).view(-1, 4)
-
-
-def _v_blocks_per_head() -> int:
-    from .kernels.configs import PREFILL_CONFIGS
-
-    return 128 // PREFILL_CONFIGS["fwd_block_v"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -74,7 +74,7 @@ class ContextParallelPlan:
 
 
 def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int | None, warm: int,
-              min_cp_chunks: int) -> float:
+              min_cp_chunks: int, unsplit: tuple[int, int, int] = (0, 0, 0)) -> float:
     """Estimated time of the serial pass, in chunk steps.
 
     One block per (work item, value head) and one block per SM (the fused kernel's shared
@@ -82,8 +82,11 @@ def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int
     block), warm-up steps counted like the others. All blocks in one wave: the longest item.
     More blocks than SMs: the total work over the SMs plus half an item for the last wave's
     raggedness (list scheduling ends within one item of the average).
+
+    ``unsplit`` is ``(longest, total, count)`` of sequences never split (shorter than
+    ``min_cp_chunks``), summarised once by the caller instead of walked per candidate.
     """
-    longest, total, blocks = 0, 0, 0
+    longest, total, blocks = unsplit[0], unsplit[1], unsplit[2] * num_v_heads
     for n in chunk_counts:
         if seg is None or n <= seg or n < min_cp_chunks:
             items = [n]
@@ -98,12 +101,19 @@ def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int
     return max(longest, total * num_v_heads / sm_count) + longest / 2
 
 
+def _kernel_v_blocks() -> int:
+    """Blocks per (work item, value head) of the fused prefill kernel: its V slices."""
+    from ...kernels.configs import PREFILL_CONFIGS
+
+    return 128 // PREFILL_CONFIGS["fwd_block_v"]
+
+
 def plan_context_parallel(
     seq_lens: list[int],
     num_v_heads: int,
     sm_count: int,
     *,
-    v_blocks_per_head: int = 1,
+    v_blocks_per_head: int | None = None,
     min_cp_tokens: int = 2048,
     min_segment_tokens: int = 512,
     warmup_tokens: int = 256,
@@ -125,7 +135,7 @@ def plan_context_parallel(
         seq_lens: token count of each sequence.
         num_v_heads: value heads on this GPU (after TP sharding).
         sm_count: multiprocessors of the GPU.
-        v_blocks_per_head: blocks per (item, head), from the kernel config (V slices).
+        v_blocks_per_head: blocks per (item, head); default: the fused kernel's V slices.
         min_cp_tokens: only sequences at least this long are split.
         min_segment_tokens: shortest segment (bounds the warm-up overhead to W / segment).
         warmup_tokens: warm-up window ``W``.
@@ -141,13 +151,18 @@ def plan_context_parallel(
         chunks = [-(-L // CHUNK_SIZE) for L in seq_lens]
         if not chunks or max(chunks) * CHUNK_SIZE < min_cp_tokens:
             return None
-        blocks = num_v_heads * v_blocks_per_head
+        blocks = num_v_heads * (_kernel_v_blocks() if v_blocks_per_head is None else v_blocks_per_head)
         warm, min_cp, min_seg = warmup_tokens // CHUNK_SIZE, min_cp_tokens // CHUNK_SIZE, min_segment_tokens // CHUNK_SIZE
-        best_seg, best = None, _makespan(chunks, blocks, sm_count, None, warm, min_cp)
+        # Only sequences of at least min_cp chunks can be split; the rest weigh the same in
+        # every candidate (a batch may hold hundreds of them: summarised once, not per candidate).
+        short = [n for n in chunks if n < min_cp]
+        unsplit = (max(short, default=0), sum(short), len(short))
+        splittable = [n for n in chunks if n >= min_cp]
+        best_seg, best = None, _makespan(splittable, blocks, sm_count, None, warm, min_cp, unsplit)
         no_cp = best
         for parts in range(2, max(chunks) // min_seg + 1):
             seg = -(-max(chunks) // parts)
-            t = _makespan(chunks, blocks, sm_count, seg, warm, min_cp)
+            t = _makespan(splittable, blocks, sm_count, seg, warm, min_cp, unsplit)
             if t < best:
                 best_seg, best = seg, t
         if best_seg is None or best * min_gain > no_cp:
@@ -236,10 +251,6 @@ GRID_BATCHES = {
 
 def decision_table(sm_count: int = 132, v_blocks_per_head: int | None = None) -> str:
     """The planner's decisions over the benchmark grid as a markdown table (docs/autocp.md)."""
-    if v_blocks_per_head is None:
-        from ...kernels.configs import PREFILL_CONFIGS
-
-        v_blocks_per_head = 128 // PREFILL_CONFIGS["fwd_block_v"]
     lines = ["| value heads | " + " | ".join(GRID_BATCHES) + " |", "|---|" + "---|" * len(GRID_BATCHES)]
     for hv in GRID_HEADS:
         cells = []
