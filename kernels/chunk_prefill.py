@@ -504,9 +504,9 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
                     T.copy(S_f, S_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(s_ready)
-                    g_last = g_s[st, L - 1]
+                    g_last = T.exp2(g_s[st, L - 1] * LOG2E)  # the state's decay over the chunk
                     for i, d in T.Parallel(V, K):
-                        S_f[i, d] = S_f[i, d] * T.exp2(g_last * LOG2E)
+                        S_f[i, d] = S_f[i, d] * g_last
                     T.barrier_wait(vd_ready, c % 2)
                     T.gemm(vd_s, k_s[st, :, :], S_f, transpose_A=True)
                     T.barrier_arrive(vd_free)
