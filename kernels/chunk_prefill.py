@@ -454,6 +454,9 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
             vn_s = T.alloc_shared((C, V), dt)
             vd_s = T.alloc_shared((C, V), dt)
             p_s = T.alloc_shared((C, C), dt)
+            eg1_s = T.alloc_shared((C,), f32)  # WG1's per-row exp(G_i)
+            er1_s = T.alloc_shared((C,), f32)  # WG1's per-row exp(G_last - G_i), 0 past the end
+            eg2_s = T.alloc_shared((C,), f32)  # WG2's per-row exp(G_i)
             S_f = T.alloc_fragment((V, K), f32)
             x_f = T.alloc_fragment((C, V), f32)
             o_f = T.alloc_fragment((C, V), f32)
@@ -530,12 +533,14 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
                     T.barrier_wait(s_ready, c % 2)
                     T.gemm(k_s[st, :, :], S_s, x_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(s_free)
+                    g_last = g_s[st, L - 1]
+                    for i in T.Parallel(C):
+                        eg1_s[i] = T.exp2(g_s[st, i] * LOG2E)
+                        er1_s[i] = T.if_then_else(i < L, T.exp2((g_last - g_s[st, i]) * LOG2E), 0.0)
                     # v - exp(G) k h, zero past the chunk's end
                     for i, j in T.Parallel(C, V):
-                        wv_s[i, j] = T.if_then_else(
-                            i < L, T.cast(v_s[st, i, j], f32) - T.exp2(g_s[st, i] * LOG2E) * x_f[i, j], 0.0)
+                        wv_s[i, j] = T.if_then_else(i < L, T.cast(v_s[st, i, j], f32) - eg1_s[i] * x_f[i, j], 0.0)
                     T.gemm(t_s[st, :, :], wv_s, x_f, clear_accum=True)
-                    g_last = g_s[st, L - 1]
                     T.barrier_wait(vn_free, (c % 2) ^ 1)
                     for i, j in T.Parallel(C, V):
                         vn_s[i, j] = T.if_then_else(i < L, x_f[i, j], 0.0)
@@ -543,7 +548,7 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
                     T.barrier_arrive(vn_ready)
                     T.barrier_wait(vd_free, (c % 2) ^ 1)
                     for i, j in T.Parallel(C, V):
-                        vd_s[i, j] = T.if_then_else(i < L, x_f[i, j] * T.exp2((g_last - g_s[st, i]) * LOG2E), 0.0)
+                        vd_s[i, j] = x_f[i, j] * er1_s[i]
                     T.fence_proxy_async()
                     T.barrier_arrive(vd_ready)
                     T.barrier_arrive(empty[st])
@@ -556,6 +561,8 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
                     cs = bos + ci * C
                     L = T.min(eos - cs, C)
                     T.barrier_wait(full[st], (c // 2) % 2)
+                    for i in T.Parallel(C):
+                        eg2_s[i] = T.exp2(g_s[st, i] * LOG2E)
                     T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         p_s[i, j] = T.if_then_else(
@@ -564,7 +571,7 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
                     T.gemm(q_s[st, :, :], S_s, o_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(s_free)
                     for i, j in T.Parallel(C, V):
-                        o_f[i, j] = o_f[i, j] * T.exp2(g_s[st, i] * LOG2E)
+                        o_f[i, j] = o_f[i, j] * eg2_s[i]
                     T.barrier_wait(vn_ready, c % 2)
                     T.gemm(p_s, vn_s, o_f)
                     T.barrier_arrive(vn_free)

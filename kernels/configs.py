@@ -21,7 +21,7 @@ PREFILL_CONFIGS: dict = {
     # "pipelined" (the above) or "role_split": one block per (head, item), four warpgroups
     # (state, delta values, output, TMA producer) handing off through mbarriers; registers
     # per role for setmaxnreg (sum 512 = 64K / 128 threads). DRAFT on this branch: compiles
-    # for sm_90a (27 spilled words), not yet GPU-tested.
+    # for sm_90a (28 spilled words), not yet GPU-tested.
     "fwd_variant": "role_split",
     "fwd_role_nregs": (240, 120, 128, 24),
 }
