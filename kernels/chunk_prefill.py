@@ -410,6 +410,14 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
     NCK = T.dynamic("num_ckpt_rows", "int64")
     WG = 128
     NREG_STATE, NREG_DELTA, NREG_OUT, NREG_PRODUCER = nregs
+    # Each thread starts with 64K / 512 = 128 registers. setmaxnreg.inc below the current count
+    # (or .dec above it) is an illegal instruction on the device, so the direction follows the
+    # budget, and a role that keeps 128 issues nothing.
+    NREG_LAUNCH = 65536 // (4 * WG)
+    if sum(nregs) * WG > 65536 or any(r % 8 or not 24 <= r <= 256 for r in nregs):
+        raise ValueError(f"fwd_role_nregs {nregs}: each a multiple of 8 in [24, 256], sum <= 512")
+    SET_STATE, SET_DELTA, SET_OUT, SET_PRODUCER = (r != NREG_LAUNCH for r in nregs)
+    INC_STATE, INC_DELTA, INC_OUT, INC_PRODUCER = (int(r > NREG_LAUNCH) for r in nregs)
 
     @T.prim_func
     def chunk_fwd(
@@ -490,7 +498,8 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
             # branch for its role's budget): the state needs 128 registers for S alone
             if tx < WG:
                 # ---------------- WG0: the state
-                T.set_max_nreg(NREG_STATE, 1)
+                if SET_STATE:
+                    T.set_max_nreg(NREG_STATE, INC_STATE)
                 base = T.cast(state_indices[n], "int64") * slot_stride + hv * (V * K)
                 base0 = T.cast(h0_slots[n], "int64") * h0_slot_stride + hv * (V * K)
                 if first == 0 and has_initial_state[n] != 0:
@@ -524,7 +533,8 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
                         pool[base + i * K + d] = S_f[i, d]
             elif tx < 2 * WG:
                 # ---------------- WG1: the delta values
-                T.set_max_nreg(NREG_DELTA, 1)
+                if SET_DELTA:
+                    T.set_max_nreg(NREG_DELTA, INC_DELTA)
                 for c in T.serial(nchunks):
                     st = c % 2
                     ci = first + c
@@ -554,7 +564,8 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
                     T.barrier_arrive(empty[st])
             elif tx < 3 * WG:
                 # ---------------- WG2: the output
-                T.set_max_nreg(NREG_OUT, 1)
+                if SET_OUT:
+                    T.set_max_nreg(NREG_OUT, INC_OUT)
                 for c in T.serial(nchunks):
                     st = c % 2
                     ci = first + c
@@ -582,7 +593,8 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
                     T.barrier_arrive(empty[st])
             else:
                 # ---------------- WG3: the producer
-                T.set_max_nreg(NREG_PRODUCER, 0)
+                if SET_PRODUCER:
+                    T.set_max_nreg(NREG_PRODUCER, INC_PRODUCER)
                 for c in T.serial(nchunks):
                     st = c % 2
                     cs = bos + (first + c) * C
