@@ -378,6 +378,238 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, block_v: int, threads: int, num_s
     return chunk_fwd
 
 
+def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
+    """``chunk_fwd`` with the chunk's work split by role across warpgroups (draft).
+
+    Four warpgroups, one block per (value head, work item), the whole V = 128 per block:
+
+    * WG0 — the state: keeps S (V x K, fp32) in registers, publishes its bf16 copy per chunk,
+      then applies ``S' = exp(G_last) S + v_d^T k`` once WG1 has ``v_d``.
+    * WG1 — the delta values: ``X = k h``, ``v' = T diag(beta) (v - exp(G) X)``, publishes
+      ``v'`` (for WG2) and ``v_d = v' exp(G_last - G)`` (for WG0).
+    * WG2 — the output: ``P = mask(q k^T exp(G_i - G_j))`` (needs no state, so it runs
+      while WG0/WG1 work), ``o = exp(G) q h + P v'``.
+    * WG3 — the producer: copies chunk c + 1's q, k, v, ``T diag(beta)`` and gates into the
+      other stage while the others work on chunk c.
+
+    mbarriers order the hand-offs (one phase per chunk); no role waits for a product another
+    role does not need. Not yet GPU-tested.
+    """
+    import tilelang.language as T
+
+    H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
+    ratio = HV // H
+    dt, pdt, f32 = cfg.dtype, cfg.pool_dtype, "float32"
+    NT = T.dynamic("num_tokens", "int64")
+    NW = T.dynamic("num_work_items")
+    NC = T.dynamic("num_chunks", "int64")
+    NS = T.dynamic("num_seqs")
+    NS1 = T.dynamic("num_seqs_plus_one")
+    NP = T.dynamic("pool_elems", "int64")
+    NP0 = T.dynamic("h0_pool_elems", "int64")
+    NCK = T.dynamic("num_ckpt_rows", "int64")
+    WG = 128
+    NREG_STATE, NREG_DELTA, NREG_OUT, NREG_PRODUCER = nregs
+    # Each thread starts with 64K / 512 = 128 registers. setmaxnreg.inc below the current count
+    # (or .dec above it) is an illegal instruction on the device, so the direction follows the
+    # budget, and a role that keeps 128 issues nothing.
+    NREG_LAUNCH = 65536 // (4 * WG)
+    if sum(nregs) * WG > 65536 or any(r % 8 or not 24 <= r <= 256 for r in nregs):
+        raise ValueError(f"fwd_role_nregs {nregs}: each a multiple of 8 in [24, 256], sum <= 512")
+    SET_STATE, SET_DELTA, SET_OUT, SET_PRODUCER = (r != NREG_LAUNCH for r in nregs)
+    INC_STATE, INC_DELTA, INC_OUT, INC_PRODUCER = (int(r > NREG_LAUNCH) for r in nregs)
+
+    @T.prim_func
+    def chunk_fwd(
+        q_normed: T.Tensor((NT, H, K), dt),
+        k_normed: T.Tensor((NT, H, K), dt),
+        v: T.Tensor((NT, HV, V), dt),
+        t_beta: T.Tensor((NC, HV, C, C), dt),
+        g_cum: T.Tensor((NC, HV, C), f32),
+        cu_seqlens: T.Tensor((NS1,), "int32"),
+        chunk_offsets: T.Tensor((NS1,), "int32"),
+        work_items: T.Tensor((NW, 4), "int32"),
+        ckpt_offsets: T.Tensor((NS1,), "int32"),
+        has_initial_state: T.Tensor((NS,), "uint8"),
+        h0_slots: T.Tensor((NS,), "int32"),
+        h0_pool: T.Tensor((NP0,), pdt),
+        h0_slot_stride: T.int64,
+        state_indices: T.Tensor((NS,), "int32"),
+        pool: T.Tensor((NP,), pdt),
+        slot_stride: T.int64,
+        ckpt_every_chunks: T.int32,
+        checkpoints: T.Tensor((NCK, HV, V, K), pdt),
+        warmup_log_threshold: T.float32,
+        scale: T.float32,
+        o: T.Tensor((NT, HV, V), dt),
+    ):
+        with T.Kernel(1, HV, NW, threads=4 * WG) as (_, hv, wi):
+            hk = hv // ratio
+            n = work_items[wi, 0]
+            out_chunk = work_items[wi, 2]
+            end_chunk = work_items[wi, 3]
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            row0 = chunk_offsets[n]
+
+            q_s = T.alloc_shared((2, C, K), dt)
+            k_s = T.alloc_shared((2, C, K), dt)
+            v_s = T.alloc_shared((2, C, V), dt)
+            t_s = T.alloc_shared((2, C, C), dt)
+            g_s = T.alloc_shared((2, C), f32)
+            S_s = T.alloc_shared((V, K), dt)
+            wv_s = T.alloc_shared((C, V), dt)
+            vn_s = T.alloc_shared((C, V), dt)
+            vd_s = T.alloc_shared((C, V), dt)
+            p_s = T.alloc_shared((C, C), dt)
+            eg1_s = T.alloc_shared((C,), f32)  # WG1's per-row exp(G_i)
+            er1_s = T.alloc_shared((C,), f32)  # WG1's per-row exp(G_last - G_i), 0 past the end
+            eg2_s = T.alloc_shared((C,), f32)  # WG2's per-row exp(G_i)
+            S_f = T.alloc_fragment((V, K), f32)
+            x_f = T.alloc_fragment((C, V), f32)
+            o_f = T.alloc_fragment((C, V), f32)
+            p_f = T.alloc_fragment((C, C), f32)
+            first = T.alloc_var("int32")
+            decay = T.alloc_var(f32)
+            g_last = T.alloc_var(f32)
+
+            full = T.alloc_barrier([WG, WG])  # stage filled (producer)
+            empty = T.alloc_barrier([3 * WG, 3 * WG])  # stage consumed (WG0-2)
+            s_ready = T.alloc_barrier(WG)  # bf16 state published (WG0)
+            s_free = T.alloc_barrier(2 * WG)  # bf16 state read (WG1, WG2)
+            vn_ready = T.alloc_barrier(WG)  # v' published (WG1)
+            vn_free = T.alloc_barrier(WG)  # v' read (WG2)
+            vd_ready = T.alloc_barrier(WG)  # v_d published (WG1)
+            vd_free = T.alloc_barrier(WG)  # v_d read (WG0)
+
+            # the work item's first chunk: warm-up start, or the sequence start where this
+            # head's gate did not decay enough over the warm-up window (see _build_chunk_fwd)
+            first = work_items[wi, 1]
+            if first > 0:
+                decay = 0.0
+                for c in T.serial(out_chunk - first):
+                    decay = decay + g_cum[row0 + first + c, hv, C - 1]
+                if decay > warmup_log_threshold:
+                    first = 0
+            nchunks = end_chunk - first
+
+            tx = T.get_thread_binding()
+            # register budget per role (4 x 128 threads share 64K registers; ptxas sizes each
+            # branch for its role's budget): the state needs 128 registers for S alone
+            if tx < WG:
+                # ---------------- WG0: the state
+                if SET_STATE:
+                    T.set_max_nreg(NREG_STATE, INC_STATE)
+                base = T.cast(state_indices[n], "int64") * slot_stride + hv * (V * K)
+                base0 = T.cast(h0_slots[n], "int64") * h0_slot_stride + hv * (V * K)
+                if first == 0 and has_initial_state[n] != 0:
+                    for i, d in T.Parallel(V, K):
+                        S_f[i, d] = T.cast(h0_pool[base0 + i * K + d], f32)
+                else:
+                    T.clear(S_f)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    ci = first + c
+                    L = T.min(eos - (bos + ci * C), C)
+                    T.barrier_wait(full[st], (c // 2) % 2)
+                    T.barrier_wait(s_free, (c % 2) ^ 1)
+                    T.copy(S_f, S_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_ready)
+                    g_last = T.exp2(g_s[st, L - 1] * LOG2E)  # the state's decay over the chunk
+                    for i, d in T.Parallel(V, K):
+                        S_f[i, d] = S_f[i, d] * g_last
+                    T.barrier_wait(vd_ready, c % 2)
+                    T.gemm(vd_s, k_s[st, :, :], S_f, transpose_A=True)
+                    T.barrier_arrive(vd_free)
+                    if ckpt_every_chunks > 0:
+                        if ci >= out_chunk and L == C and (ci + 1) % ckpt_every_chunks == 0:
+                            row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
+                            for i, d in T.Parallel(V, K):
+                                checkpoints[row, hv, i, d] = S_f[i, d]
+                    T.barrier_arrive(empty[st])
+                if end_chunk == T.ceildiv(eos - bos, C):
+                    for i, d in T.Parallel(V, K):
+                        pool[base + i * K + d] = S_f[i, d]
+            elif tx < 2 * WG:
+                # ---------------- WG1: the delta values
+                if SET_DELTA:
+                    T.set_max_nreg(NREG_DELTA, INC_DELTA)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    ci = first + c
+                    L = T.min(eos - (bos + ci * C), C)
+                    T.barrier_wait(full[st], (c // 2) % 2)
+                    T.barrier_wait(s_ready, c % 2)
+                    T.gemm(k_s[st, :, :], S_s, x_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(s_free)
+                    g_last = g_s[st, L - 1]
+                    for i in T.Parallel(C):
+                        eg1_s[i] = T.exp2(g_s[st, i] * LOG2E)
+                        er1_s[i] = T.if_then_else(i < L, T.exp2((g_last - g_s[st, i]) * LOG2E), 0.0)
+                    # v - exp(G) k h, zero past the chunk's end
+                    for i, j in T.Parallel(C, V):
+                        wv_s[i, j] = T.if_then_else(i < L, T.cast(v_s[st, i, j], f32) - eg1_s[i] * x_f[i, j], 0.0)
+                    T.gemm(t_s[st, :, :], wv_s, x_f, clear_accum=True)
+                    T.barrier_wait(vn_free, (c % 2) ^ 1)
+                    for i, j in T.Parallel(C, V):
+                        vn_s[i, j] = T.if_then_else(i < L, x_f[i, j], 0.0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vn_ready)
+                    T.barrier_wait(vd_free, (c % 2) ^ 1)
+                    for i, j in T.Parallel(C, V):
+                        vd_s[i, j] = x_f[i, j] * er1_s[i]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vd_ready)
+                    T.barrier_arrive(empty[st])
+            elif tx < 3 * WG:
+                # ---------------- WG2: the output
+                if SET_OUT:
+                    T.set_max_nreg(NREG_OUT, INC_OUT)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    ci = first + c
+                    cs = bos + ci * C
+                    L = T.min(eos - cs, C)
+                    T.barrier_wait(full[st], (c // 2) % 2)
+                    for i in T.Parallel(C):
+                        eg2_s[i] = T.exp2(g_s[st, i] * LOG2E)
+                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        p_s[i, j] = T.if_then_else(
+                            T.And(i >= j, j < L), p_f[i, j] * T.exp2((g_s[st, i] - g_s[st, j]) * LOG2E), 0.0)
+                    T.barrier_wait(s_ready, c % 2)
+                    T.gemm(q_s[st, :, :], S_s, o_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(s_free)
+                    for i, j in T.Parallel(C, V):
+                        o_f[i, j] = o_f[i, j] * eg2_s[i]
+                    T.barrier_wait(vn_ready, c % 2)
+                    T.gemm(p_s, vn_s, o_f)
+                    T.barrier_arrive(vn_free)
+                    if ci >= out_chunk:
+                        for i, j in T.Parallel(C, V):
+                            if i < L:
+                                o[cs + i, hv, j] = o_f[i, j] * scale
+                    T.barrier_arrive(empty[st])
+            else:
+                # ---------------- WG3: the producer
+                if SET_PRODUCER:
+                    T.set_max_nreg(NREG_PRODUCER, INC_PRODUCER)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    cs = bos + (first + c) * C
+                    T.barrier_wait(empty[st], ((c // 2) % 2) ^ 1)
+                    # TMA loads that arrive on full[st] with their byte counts
+                    T.tma_copy(q_normed[cs : cs + C, hk, :], q_s[st, :, :], barrier=full[st])
+                    T.tma_copy(k_normed[cs : cs + C, hk, :], k_s[st, :, :], barrier=full[st])
+                    T.tma_copy(v[cs : cs + C, hv, :], v_s[st, :, :], barrier=full[st])
+                    T.tma_copy(t_beta[row0 + first + c, hv, :, :], t_s[st, :, :], barrier=full[st])
+                    T.tma_copy(g_cum[row0 + first + c, hv, :], g_s[st, :], barrier=full[st])
+                    T.barrier_arrive(full[st])
+
+    return chunk_fwd
+
+
 # --------------------------------------------------------------------------------------
 # Compilation and cache
 # --------------------------------------------------------------------------------------
@@ -398,10 +630,11 @@ def _kernel_set(cfg: PrefillStaticConfig):
         tune = PREFILL_CONFIGS
         target, pc = _target(), _pass_configs()
         prep = tilelang.compile(_build_prep(cfg, tune["prep_threads"]), target=target, pass_configs=pc)
-        fwd = tilelang.compile(
-            _build_chunk_fwd(cfg, tune["fwd_block_v"], tune["fwd_threads"], tune["fwd_stages"]),
-            target=target, pass_configs=pc,
-        )
+        if tune.get("fwd_variant", "pipelined") == "role_split":
+            fwd_func = _build_chunk_fwd_ws(cfg, tuple(tune["fwd_role_nregs"]))
+        else:
+            fwd_func = _build_chunk_fwd(cfg, tune["fwd_block_v"], tune["fwd_threads"], tune["fwd_stages"])
+        fwd = tilelang.compile(fwd_func, target=target, pass_configs=pc)
         ks = (prep, fwd)
         _kernels[cfg] = ks
         _compile_count += 1

@@ -18,6 +18,12 @@ PREFILL_CONFIGS: dict = {
     "fwd_block_v": 128,
     "fwd_threads": 256,
     "fwd_stages": 2,
+    # "pipelined" (the above) or "role_split": one block per (head, item), four warpgroups
+    # (state, delta values, output, TMA producer) handing off through mbarriers; registers
+    # per role for setmaxnreg (sum 512 = 64K / 128 threads). DRAFT on this branch: compiles
+    # for sm_90a (28 spilled words), not yet GPU-tested.
+    "fwd_variant": "role_split",
+    "fwd_role_nregs": (240, 120, 128, 24),
 }
 
 # Decode step (qla_serving.kernels.decode).
