@@ -28,15 +28,15 @@ PREFILL_CONFIGS: dict = {
 
 # Decode step (qla_serving.kernels.decode).
 DECODE_CONFIGS: dict = {
-    # Per pool dtype. One CTA per (sequence, value head, rows_per_cta state rows); 8 lanes
-    # per row, so each thread holds rows_per_cta * 8 / threads rows. Measured on H100
-    # (bench decode --sweep-tiles, e2e_bench/results/*decode-tiles*): fp32 runs at the copy
-    # rate with any tile from batch 64 (within 0.5%); bf16 needs more 16-byte loads in
-    # flight per thread: 32x64 gives 2834 GB/s at 16/64 heads, batch 256, against 2602 for
-    # 32x128 and 2324 for 16x128. With at most small_max_pairs (sequence, head) pairs the
-    # 16x128 tile (more CTAs) is fastest: 16/64 heads batch 1, 2/8 heads batch 8.
-    "float32": {"rows_per_cta": 32, "threads": 128, "small_rows_per_cta": 16, "small_threads": 128},
-    "bfloat16": {"rows_per_cta": 32, "threads": 64, "small_rows_per_cta": 16, "small_threads": 128},
-    # At most this many (sequence, value head) pairs: the small tile, for more CTAs in flight.
-    "small_max_pairs": 128,
+    # Per pool dtype, bands of (max (sequence, value head) pairs, tile): the first band that
+    # holds the call's pair count wins. Tile text ROWSxTHREADS[lLANES][bMINBLOCKS][s]: one CTA
+    # per (sequence, value head, ROWS state rows), LANES lanes share a row (8 if omitted), s
+    # streams the in-place update (kernels/decode.py, DecodeTile). Up to 128 pairs (16/64
+    # heads batch 1, 2/8 heads batch 8..16) the 16x128 tile puts more CTAs in flight (H100
+    # sweep). Above it, the H200 sweep (e2e_bench/results/2026-11-21-nvidia-h200-decode-tiles.md,
+    # batch 64..512 at 16/64 and 2/8 heads) has one tile best in every cell per pool dtype:
+    # fp32 8x32l32s (1.8-3.1% over the former 32x128; 95.0% of copy at 16/64 batch 256),
+    # bf16 16x64s (0.3-4.0% over the former 32x64).
+    "float32": {"bands": [(128, "16x128"), (None, "8x32l32s")]},
+    "bfloat16": {"bands": [(128, "16x128"), (None, "16x64s")]},
 }
