@@ -66,6 +66,13 @@ def text_model_config(**shape) -> dict:
     """
     text = dict(shared.model_config(**shape)["text_config"])
     text.pop("rope_parameters")
+    # SGLang's Qwen3NextConfig lays the layers out from full_attention_interval (as Qwen3-Next
+    # and Qwen3.5 checkpoints write it), not from layer_types: give it the period of ours.
+    full = [i for i, t in enumerate(text["layer_types"]) if t == "full_attention"]
+    interval = full[0] + 1
+    if [i for i in range(len(text["layer_types"])) if (i + 1) % interval == 0] != full:
+        raise ValueError(f"layer_types {text['layer_types']} is not one full-attention layer every k")
+    text["full_attention_interval"] = interval
     text.update(
         architectures=["Qwen3_5ForCausalLM"],
         model_type="qwen3_5_text",
@@ -297,6 +304,12 @@ def dry_run(args, model_dir: str, prompts) -> int:
         )
         if reason:
             raise SystemExit(f"{backend}: our kernels would not run this model: {reason}")
+        # The layer layout the model code builds (a config property; the 0.5.17 engine run
+        # failed here on the GPU while the dry run passed).
+        built = [t == "linear_attention" for t in text.layers_block_type]
+        wanted = [t == "linear_attention" for t in json.loads(pathlib.Path(model_dir, "config.json").read_text())["layer_types"]]
+        if built != wanted:
+            raise SystemExit(f"{backend}: SGLang puts GDN layers at {built}, the config at {wanted}")
         print(
             f"dry-run {backend}: {model_config.hf_config.architectures[0]} ({type(text).__name__}), "
             f"linear_attn_backend={server_args.linear_attn_backend}, attention_backend={server_args.attention_backend}, "
