@@ -65,7 +65,9 @@ def text_model_config(**shape) -> dict:
     of M-RoPE: a text-only model gets no M-RoPE positions.
     """
     text = dict(shared.model_config(**shape)["text_config"])
-    text.pop("rope_parameters")
+    # Plain RoPE parameters in place of the M-RoPE ones: SGLang's Qwen3_5TextConfig reads
+    # rope_theta from rope_parameters (an empty dict there is a KeyError at model build).
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
     # SGLang's Qwen3NextConfig lays the layers out from full_attention_interval (as Qwen3-Next
     # and Qwen3.5 checkpoints write it), not from layer_types: give it the period of ours.
     full = [i for i, t in enumerate(text["layer_types"]) if t == "full_attention"]
