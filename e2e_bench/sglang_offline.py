@@ -465,7 +465,8 @@ def main(argv=None) -> int:
         ),
         "verdict": sentence,
     }
-    stem = out / f"{meta['date']}-{gpu.replace(' ', '_')}-sglang-offline"
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")  # as the vLLM harness and the benches name it
+    stem = out / f"{meta['date']}-{slug}-sglang-offline"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     stem.with_suffix(".md").write_text(markdown(meta, rows, sentence))
     pathlib.Path(f"{stem}-tokens.json").write_text(
