@@ -13,14 +13,16 @@ batch composition compiles nothing and syncs nothing.
   ``T = (I + A)^-1`` (16x16 diagonal blocks by forward substitution in registers, merged with
   four tf32 products), ``T diag(beta)`` — 8 KiB per chunk and head, in a per-chunk table
   ``[chunks, HV, 64, 64]`` next to the gate cumsum ``[chunks, HV, 64]``.
-* ``chunk_fwd`` — grid (V slice, value head, work item): the serial chunk-to-chunk pass with
-  the output fused in, the state kept in registers (fp32) for the whole item. TileLang
-  warp-specializes it: a TMA producer warpgroup prefetches the next chunks' q, k, v,
-  ``T diag(beta)`` and gates while the consumer warpgroups run six wgmma products per chunk
-  (``k h``, ``q h``, ``q k^T``, ``T diag(beta) (v - exp(G) k h)``, ``P v'``, the state update)
-  and the element-wise gating; full chunks' outputs leave by TMA store. No per-chunk state
-  goes to memory: the initial state is read from the engine's pool, the final state written
-  back in place, checkpoints written at the plan's chunk boundaries.
+* ``chunk_fwd`` — grid (1, value head, work item): the serial chunk-to-chunk pass with the
+  output fused in, the state kept in registers (fp32) for the whole item. By default
+  (``PREFILL_CONFIGS["fwd_variant"] = "role_split"``) four warpgroups split a chunk's work
+  by role and hand off through mbarriers: the state (publishes its bf16 copy, applies the
+  update), the delta values (``k h``, ``v' = T diag(beta) (v - exp(G) k h)``), the output
+  (``q k^T``, ``q h``, ``P v'``), and a TMA producer filling the next stage; the output and
+  ``q k^T`` no longer lengthen the state's chain. The earlier "pipelined" variant (grid V
+  slice x head x item, TileLang's automatic producer/consumer split) is kept for comparison.
+  No per-chunk state goes to memory: the initial state is read from the engine's pool, the
+  final state written back in place, checkpoints written at the plan's chunk boundaries.
 
 Work items and AutoCP: ``chunk_fwd`` runs one item per block column, ``(sequence, first
 chunk, first output chunk, end chunk)`` from the plan. Without context parallelism an item
@@ -379,7 +381,7 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, block_v: int, threads: int, num_s
 
 
 def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
-    """``chunk_fwd`` with the chunk's work split by role across warpgroups (draft).
+    """``chunk_fwd`` with the chunk's work split by role across warpgroups (the default).
 
     Four warpgroups, one block per (value head, work item), the whole V = 128 per block:
 
@@ -393,7 +395,7 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
       other stage while the others work on chunk c.
 
     mbarriers order the hand-offs (one phase per chunk); no role waits for a product another
-    role does not need. Not yet GPU-tested.
+    role does not need.
     """
     import tilelang.language as T
 

@@ -5,7 +5,10 @@
 #   . .device/tilelang/1/env.sh && bash scripts/gpu_session.sh tests check
 #   . .device/tilelang-fi/3/env.sh && bash scripts/gpu_session.sh tests bench-prefill bench-decode
 #
-# Steps: tests (pytest -m gpu), check (qla-serving check), bench-prefill, bench-decode.
+# Steps: tests (pytest -m gpu), check (qla-serving check), bench-prefill, bench-decode,
+# profile-prefill (Nsight Compute on prep and chunk_fwd: one chain-bound cell, 2/8 heads 1x8192
+# without AutoCP, and one throughput-bound cell, 16/64 heads 8x4096; details page and per-SASS-line
+# stall samples under $OUT/profile-*; the .ncu-rep files stay in /tmp, they are large).
 # Extra pytest arguments: QLA_PYTEST_ARGS="-k decode".
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,6 +26,19 @@ for step in "$@"; do
     check) python3 -m qla_serving.cli check 2>&1 | tee "$OUT/check.log" ;;
     bench-prefill) python3 -m qla_serving.cli bench prefill --out-dir "$OUT" ${QLA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-prefill.log" | tail -60 ;;
     bench-decode) python3 -m qla_serving.cli bench decode --out-dir "$OUT" ${QLA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-decode.log" | tail -60 ;;
+    profile-prefill)
+      ( rc=0
+        for cell in "2-8:2/8:1x8192:qla-nocp" "16-64:16/64:8x4096:qla"; do
+          IFS=: read -r name heads batch impl <<<"$cell"
+          rep=/tmp/qla-profile-$name
+          ncu --target-processes all -k "regex:chunk_fwd|prep" -c 2 --set full --import-source yes -f -o "$rep" \
+            python3 -m qla_serving.cli bench prefill --impls "$impl" --heads "$heads" --batches "$batch" \
+              --modes eager --iters 3 --out-dir /tmp/qla-profile-bench >"$OUT/profile-$name-run.log" 2>&1 || rc=1
+          ncu -i "$rep.ncu-rep" --page details >"$OUT/profile-$name-details.txt" 2>&1 || rc=1
+          ncu -i "$rep.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -6 >"$OUT/profile-$name-sass.csv.xz"
+          tail -3 "$OUT/profile-$name-run.log"; grep -E "^  [a-z_]+_kernel|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" "$OUT/profile-$name-details.txt" | head -30
+        done
+        exit $rc ) 2>&1 | tee "$OUT/profile-prefill.log" | tail -80 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
   rc=${PIPESTATUS[0]}
