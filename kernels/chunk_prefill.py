@@ -14,13 +14,13 @@ batch composition compiles nothing and syncs nothing.
   four tf32 products), ``T diag(beta)`` — 8 KiB per chunk and head, in a per-chunk table
   ``[chunks, HV, 64, 64]`` next to the gate cumsum ``[chunks, HV, 64]``.
 * ``chunk_fwd`` — grid (1, value head, work item): the serial chunk-to-chunk pass with the
-  output fused in, the state kept in registers (fp32) for the whole item. By default
-  (``PREFILL_CONFIGS["fwd_variant"] = "role_split"``) four warpgroups split a chunk's work
-  by role and hand off through mbarriers: the state (publishes its bf16 copy, applies the
-  update), the delta values (``k h``, ``v' = T diag(beta) (v - exp(G) k h)``), the output
-  (``q k^T``, ``q h``, ``P v'``), and a TMA producer filling the next stage; the output and
-  ``q k^T`` no longer lengthen the state's chain. The earlier "pipelined" variant (grid V
-  slice x head x item, TileLang's automatic producer/consumer split) is kept for comparison.
+  output fused in, the state kept in registers (fp32) for the whole item. Four warpgroups
+  split a chunk's work by role and hand off through mbarriers: the state (publishes its bf16
+  copy, applies the update), the delta values (``k h``, ``v' = T diag(beta) (v - exp(G) k h)``),
+  the output (``q k^T``, ``q h``, ``P v'``), and a TMA producer filling the next stage; the
+  output and ``q k^T`` do not lengthen the state's chain. (An earlier variant with TileLang's
+  automatic producer/consumer split, every consumer walking the whole chain, was 1.14-2.8x
+  slower in every cell of the H200 grid; it is in the git history before this sentence.)
   No per-chunk state goes to memory: the initial state is read from the engine's pool, the
   final state written back in place, checkpoints written at the plan's chunk boundaries.
 
@@ -228,160 +228,8 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int):
     return prep
 
 
-def _build_chunk_fwd(cfg: PrefillStaticConfig, block_v: int, threads: int, num_stages: int):
-    import tilelang.language as T
-
-    H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
-    ratio = HV // H
-    dt, pdt, f32 = cfg.dtype, cfg.pool_dtype, "float32"
-    BV = block_v
-    NT = T.dynamic("num_tokens", "int64")
-    NW = T.dynamic("num_work_items")
-    NC = T.dynamic("num_chunks", "int64")
-    NS = T.dynamic("num_seqs")
-    NS1 = T.dynamic("num_seqs_plus_one")
-    NP = T.dynamic("pool_elems", "int64")
-    NP0 = T.dynamic("h0_pool_elems", "int64")
-    NCK = T.dynamic("num_ckpt_rows", "int64")
-
-    @T.prim_func
-    def chunk_fwd(
-        q_normed: T.Tensor((NT, H, K), dt),
-        k_normed: T.Tensor((NT, H, K), dt),
-        v: T.Tensor((NT, HV, V), dt),
-        t_beta: T.Tensor((NC, HV, C, C), dt),
-        g_cum: T.Tensor((NC, HV, C), f32),
-        cu_seqlens: T.Tensor((NS1,), "int32"),
-        chunk_offsets: T.Tensor((NS1,), "int32"),
-        work_items: T.Tensor((NW, 4), "int32"),
-        ckpt_offsets: T.Tensor((NS1,), "int32"),
-        has_initial_state: T.Tensor((NS,), "uint8"),
-        h0_slots: T.Tensor((NS,), "int32"),
-        h0_pool: T.Tensor((NP0,), pdt),
-        h0_slot_stride: T.int64,
-        state_indices: T.Tensor((NS,), "int32"),
-        pool: T.Tensor((NP,), pdt),
-        slot_stride: T.int64,
-        ckpt_every_chunks: T.int32,
-        checkpoints: T.Tensor((NCK, HV, V, K), pdt),
-        warmup_log_threshold: T.float32,
-        scale: T.float32,
-        o: T.Tensor((NT, HV, V), dt),
-    ):
-        with T.Kernel(V // BV, HV, NW, threads=threads) as (iv, hv, wi):
-            hk = hv // ratio
-            n = work_items[wi, 0]
-            out_chunk = work_items[wi, 2]
-            end_chunk = work_items[wi, 3]
-            bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
-            row0 = chunk_offsets[n]  # the sequence's first row in the per-chunk tables
-            base = T.cast(state_indices[n], "int64") * slot_stride + hv * (V * K) + iv * (BV * K)
-            base0 = T.cast(h0_slots[n], "int64") * h0_slot_stride + hv * (V * K) + iv * (BV * K)
-
-            S_f = T.alloc_fragment((BV, K), f32)
-            S_s = T.alloc_shared((BV, K), dt)
-            q_s = T.alloc_shared((C, K), dt)
-            k_s = T.alloc_shared((C, K), dt)
-            v_s = T.alloc_shared((C, BV), dt)
-            t_s = T.alloc_shared((C, C), dt)
-            G_s = T.alloc_shared((C,), f32)
-            x_f = T.alloc_fragment((C, BV), f32)
-            o_f = T.alloc_fragment((C, BV), f32)
-            p_f = T.alloc_fragment((C, C), f32)
-            p_s = T.alloc_shared((C, C), dt)
-            wv_s = T.alloc_shared((C, BV), dt)
-            vn_s = T.alloc_shared((C, BV), dt)
-            o_s = T.alloc_shared((C, BV), dt)
-            eg_s = T.alloc_shared((C,), f32)
-            erev_s = T.alloc_shared((C,), f32)
-            first = T.alloc_var("int32")
-            decay = T.alloc_var(f32)
-            g_last = T.alloc_var(f32)
-
-            # AutoCP: a work item starting after its sequence's first chunk begins from a zero
-            # state and replays the warm-up chunks [first, out_chunk) without output. Where this
-            # head's gate did not decay below the threshold over that window, the warm-up would
-            # not be exact enough: the item replays from the sequence start instead (exact).
-            first = work_items[wi, 1]
-            if first > 0:
-                decay = 0.0
-                for c in T.serial(out_chunk - first):
-                    decay = decay + g_cum[row0 + first + c, hv, C - 1]
-                if decay > warmup_log_threshold:
-                    first = 0
-
-            if first == 0 and has_initial_state[n] != 0:
-                for i, d in T.Parallel(BV, K):
-                    S_f[i, d] = T.cast(h0_pool[base0 + i * K + d], f32)
-            else:
-                T.clear(S_f)
-
-            # Rows past a short last chunk hold the next sequence's tokens (or TMA's zero fill
-            # past the end): loaded unmasked so the copies stay asynchronous, neutralised below.
-            for c in T.Pipelined(end_chunk - first, num_stages=num_stages):
-                ci = first + c
-                cs = bos + ci * C
-                L = T.min(eos - cs, C)
-                T.copy(q_normed[cs : cs + C, hk, :], q_s)
-                T.copy(k_normed[cs : cs + C, hk, :], k_s)
-                T.copy(v[cs : cs + C, hv, iv * BV : (iv + 1) * BV], v_s)
-                T.copy(t_beta[row0 + ci, hv, :, :], t_s)
-                T.copy(g_cum[row0 + ci, hv, :], G_s)
-                T.copy(S_f, S_s)
-                # per-row decays once per chunk (the element-wise passes below only multiply):
-                # exp(G_i), and exp(G_last - G_i) zeroed past the chunk's end
-                g_last = G_s[L - 1]
-                for i in T.Parallel(C):
-                    eg_s[i] = T.exp2(G_s[i] * LOG2E)
-                    erev_s[i] = T.if_then_else(i < L, T.exp2((g_last - G_s[i]) * LOG2E), 0.0)
-                # k h and q h (h = S^T for the V x K state S), q k^T
-                T.gemm(k_s, S_s, x_f, transpose_B=True, clear_accum=True)
-                T.gemm(q_s, S_s, o_f, transpose_B=True, clear_accum=True)
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                # v - exp(G) k h, zero past the chunk's end (t_beta's columns there are zero, but
-                # the next sequence's rows loaded there must not meet them as inf * 0)
-                for i, j in T.Parallel(C, BV):
-                    wv_s[i, j] = T.if_then_else(i < L, T.cast(v_s[i, j], f32) - eg_s[i] * x_f[i, j], 0.0)
-                for i, j in T.Parallel(C, C):
-                    p_s[i, j] = T.if_then_else(T.And(i >= j, j < L), p_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E), 0.0)
-                # v' = T diag(beta) (v - exp(G) k h); rows past the end come out zero
-                T.gemm(t_s, wv_s, x_f, clear_accum=True)
-                T.copy(x_f, vn_s)
-                # o = scale (exp(G) q h + P v')
-                for i, j in T.Parallel(C, BV):
-                    o_f[i, j] = o_f[i, j] * eg_s[i]
-                T.gemm(p_s, vn_s, o_f)
-                if ci >= out_chunk:
-                    if L == C:  # a full chunk: staged in shared memory and stored by TMA
-                        for i, j in T.Parallel(C, BV):
-                            o_s[i, j] = o_f[i, j] * scale
-                        T.copy(o_s, o[cs : cs + C, hv, iv * BV : (iv + 1) * BV])
-                    else:
-                        for i, j in T.Parallel(C, BV):
-                            if i < L:
-                                o[cs + i, hv, iv * BV + j] = o_f[i, j] * scale
-                # S' = exp(G_last) S + (v' exp(G_last - G))^T k
-                for i, j in T.Parallel(C, BV):
-                    wv_s[i, j] = x_f[i, j] * erev_s[i]
-                for i, d in T.Parallel(BV, K):
-                    S_f[i, d] = S_f[i, d] * eg_s[C - 1]
-                T.gemm(wv_s, k_s, S_f, transpose_A=True)
-                if ckpt_every_chunks > 0:
-                    if ci >= out_chunk and L == C and (ci + 1) % ckpt_every_chunks == 0:
-                        row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
-                        for i, d in T.Parallel(BV, K):
-                            checkpoints[row, hv, iv * BV + i, d] = S_f[i, d]
-
-            if end_chunk == T.ceildiv(eos - bos, C):
-                for i, d in T.Parallel(BV, K):
-                    pool[base + i * K + d] = S_f[i, d]
-
-    return chunk_fwd
-
-
-def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
-    """``chunk_fwd`` with the chunk's work split by role across warpgroups (the default).
+def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
+    """``chunk_fwd``: the serial pass, the chunk's work split by role across warpgroups.
 
     Four warpgroups, one block per (value head, work item), the whole V = 128 per block:
 
@@ -484,8 +332,10 @@ def _build_chunk_fwd_ws(cfg: PrefillStaticConfig, nregs=(208, 128, 144, 32)):
             vd_ready = T.alloc_barrier(WG)  # v_d published (WG1)
             vd_free = T.alloc_barrier(WG)  # v_d read (WG0)
 
-            # the work item's first chunk: warm-up start, or the sequence start where this
-            # head's gate did not decay enough over the warm-up window (see _build_chunk_fwd)
+            # AutoCP: a work item starting after its sequence's first chunk begins from a zero
+            # state and replays the warm-up chunks [first, out_chunk) without output. Where this
+            # head's gate did not decay below the threshold over that window, the warm-up would
+            # not be exact enough: the item replays from the sequence start instead (exact).
             first = work_items[wi, 1]
             if first > 0:
                 decay = 0.0
@@ -632,10 +482,7 @@ def _kernel_set(cfg: PrefillStaticConfig):
         tune = PREFILL_CONFIGS
         target, pc = _target(), _pass_configs()
         prep = tilelang.compile(_build_prep(cfg, tune["prep_threads"]), target=target, pass_configs=pc)
-        if tune.get("fwd_variant", "pipelined") == "role_split":
-            fwd_func = _build_chunk_fwd_ws(cfg, tuple(tune["fwd_role_nregs"]))
-        else:
-            fwd_func = _build_chunk_fwd(cfg, tune["fwd_block_v"], tune["fwd_threads"], tune["fwd_stages"])
+        fwd_func = _build_chunk_fwd(cfg, tuple(tune["fwd_role_nregs"]))
         fwd = tilelang.compile(fwd_func, target=target, pass_configs=pc)
         ks = (prep, fwd)
         _kernels[cfg] = ks

@@ -8,22 +8,11 @@ justifies it.
 PREFILL_CONFIGS: dict = {
     # prep (grid chunk x value head): one warpgroup; the 64-row tiles are one wgmma M each
     "prep_threads": 128,
-    # chunk_fwd (grid V slice x value head x work item): the serial pass with the output
-    # fused in. TileLang adds a TMA producer warpgroup that prefetches fwd_stages chunks of
-    # q, k, v, T diag(beta) and the gate cumsum while the consumers compute. The state rows
-    # (V) are independent, so V may be split into fwd_block_v-row slices across blocks; one
-    # block per (head, work item) with two consumer warpgroups instead shares the q/k/T loads
-    # and puts two warps on each scheduler to hide the element-wise latency (H100, 2/8
-    # 8x4096: 64-row slices with one warpgroup took 6.7 us per chunk, issue-latency bound).
-    "fwd_block_v": 128,
-    "fwd_threads": 256,
-    "fwd_stages": 2,
-    # "pipelined" (the above) or "role_split": one block per (head, item), four warpgroups
-    # (state, delta values, output, TMA producer) handing off through mbarriers, registers
-    # per role for setmaxnreg (sum 512 = 64K / 128 threads; a thread starts with 128). H200:
-    # every cell of the prefill grid 1.14-2.8x faster than "pipelined" (2/8 1x32768 without
-    # AutoCP 4.42 -> 3.30 ms), e2e_bench/results/2026-11-21-nvidia-h200-prefill-rolesplit.md.
-    "fwd_variant": "role_split",
+    # chunk_fwd (grid 1 x value head x work item): four warpgroups (state, delta values,
+    # output, TMA producer) handing off through mbarriers; registers per role for setmaxnreg
+    # (sum 512 = 64K / 128 threads; a thread starts with 128). H200: every cell of the prefill
+    # grid 1.14-2.8x faster than the earlier automatic producer/consumer split (2/8 1x32768
+    # without AutoCP 4.42 -> 3.30 ms), e2e_bench/results/2026-11-21-nvidia-h200-prefill-rolesplit.md.
     "fwd_role_nregs": (240, 120, 128, 24),
 }
 

@@ -102,10 +102,9 @@ def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int
 
 
 def _kernel_v_blocks() -> int:
-    """Blocks per (work item, value head) of the fused prefill kernel: its V slices."""
-    from ...kernels.configs import PREFILL_CONFIGS
-
-    return 128 // PREFILL_CONFIGS["fwd_block_v"]
+    """Blocks per (work item, value head) of the fused prefill kernel: one (the whole V = 128
+    in one block, kernels/chunk_prefill.py)."""
+    return 1
 
 
 def plan_context_parallel(
