@@ -8,7 +8,8 @@
 # Steps: tests (pytest -m gpu), check (qla-serving check), bench-prefill, bench-decode,
 # profile-prefill (Nsight Compute on prep and chunk_fwd: one chain-bound cell, 2/8 heads 1x8192
 # without AutoCP, and one throughput-bound cell, 16/64 heads 8x4096; details page and per-SASS-line
-# stall samples under $OUT/profile-*; the .ncu-rep files stay in /tmp, they are large).
+# stall samples under $OUT/profile-*, the hottest lines summarised by scripts/ncu_hot.py; the
+# .ncu-rep files stay in /tmp, they are large).
 # Extra pytest arguments: QLA_PYTEST_ARGS="-k decode".
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,6 +37,8 @@ for step in "$@"; do
               --modes eager --iters 3 --out-dir /tmp/qla-profile-bench >"$OUT/profile-$name-run.log" 2>&1 || rc=1
           ncu -i "$rep.ncu-rep" --page details >"$OUT/profile-$name-details.txt" 2>&1 || rc=1
           ncu -i "$rep.ncu-rep" --page source --csv --print-source sass 2>&1 | xz -6 >"$OUT/profile-$name-sass.csv.xz"
+          python3 "$here/scripts/ncu_hot.py" "$OUT/profile-$name-sass.csv.xz" --top 30 >"$OUT/profile-$name-hot.txt" 2>&1
+          head -12 "$OUT/profile-$name-hot.txt"
           tail -3 "$OUT/profile-$name-run.log"; grep -E "^  [a-z_]+_kernel|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" "$OUT/profile-$name-details.txt" | head -30
         done
         exit $rc ) 2>&1 | tee "$OUT/profile-prefill.log" | tail -80 ;;

@@ -1,0 +1,81 @@
+"""The hottest SASS lines of an Nsight Compute source page (``ncu -i R --page source --csv
+--print-source sass``), from stdin or a file (``.xz`` read as such).
+
+Prints, per kernel in the page, the lines with the most warp-stall samples and, for each, the
+sample columns that are not zero (the stall reasons ncu names), so a session can see where a
+kernel waits without opening the report. Column names are matched loosely (ncu versions
+differ): a column counts as samples when its name contains "Sampl".
+
+    python scripts/ncu_hot.py profile-2-8-sass.csv.xz [--top 25]
+"""
+
+import argparse
+import csv
+import io
+import lzma
+import sys
+
+
+def _rows(text: str):
+    """(kernel name or '', header, rows) per CSV table in the page (ncu prints one per kernel,
+    each after a line naming the kernel)."""
+    tables, kernel, lines = [], "", []
+    for line in text.splitlines():
+        if line.startswith('"') or line.startswith("Address") or (lines and line):
+            lines.append(line)
+            continue
+        if lines:
+            tables.append((kernel, lines))
+            lines = []
+        if line.strip():
+            kernel = line.strip()
+    if lines:
+        tables.append((kernel, lines))
+    for kernel, block in tables:
+        reader = csv.reader(io.StringIO("\n".join(block)))
+        header = next(reader, None)
+        if header:
+            yield kernel, header, list(reader)
+
+
+def _num(x: str) -> float:
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("path", nargs="?", default="-")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    if args.path == "-":
+        text = sys.stdin.read()
+    elif args.path.endswith(".xz"):
+        text = lzma.open(args.path, "rt").read()
+    else:
+        text = open(args.path).read()
+    found = False
+    for kernel, header, rows in _rows(text):
+        samples = [i for i, h in enumerate(header) if "Sampl" in h]
+        if not samples:
+            continue
+        found = True
+        total_col = samples[0]
+        src = next((i for i, h in enumerate(header) if h.strip() == "Source"), None)
+        total = sum(_num(r[total_col]) for r in rows if len(r) > total_col) or 1.0
+        print(f"== {kernel or '(kernel)'}: {len(rows)} lines, {total:.0f} samples in '{header[total_col]}'")
+        hot = sorted((r for r in rows if len(r) > total_col), key=lambda r: -_num(r[total_col]))[: args.top]
+        for r in hot:
+            reasons = ", ".join(f"{header[i]}={r[i]}" for i in samples[1:] if _num(r[i]))
+            text_col = r[src] if src is not None else ""
+            print(f"{100 * _num(r[total_col]) / total:5.1f}%  {text_col[:70]:<70}  {reasons[:160]}")
+    if not found:
+        print("no sample columns found (is this `--page source --csv --print-source sass` output?)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
