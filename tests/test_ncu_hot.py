@@ -1,0 +1,44 @@
+"""scripts/ncu_hot.py on a page shaped like Nsight Compute's `--page source --csv` output."""
+
+import lzma
+import pathlib
+import subprocess
+import sys
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ncu_hot.py"
+PAGE = (
+    "prep_kernel\n"
+    '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
+    '"0x10","LDS R4, [R2]","30","10"\n'
+    '"0x20","FFMA R1, R2, R3, R4","10","0"\n'
+    "\n"
+    "chunk_fwd_kernel\n"
+    '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
+    '"0x10","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ","1,200","1,000"\n'
+    '"0x20","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3","2,800","2,790"\n'
+    '"0x30","FFMA R1, R2, R3, R4","0","0"\n'
+)
+
+
+def _run(*args, stdin=None):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], input=stdin, capture_output=True, text=True)
+
+
+def test_hottest_lines_per_kernel_in_order(tmp_path):
+    path = tmp_path / "page.csv.xz"
+    with lzma.open(path, "wt") as f:
+        f.write(PAGE)
+    r = _run(str(path), "--top", "2")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    k = out.index(next(line for line in out if line.startswith("== chunk_fwd_kernel")))
+    assert "4000 samples" in out[k]
+    assert out[k + 1].lstrip().startswith("70.0%") and "SYNCS.PHASECHK" in out[k + 1]
+    assert out[k + 2].lstrip().startswith("30.0%") and "(Not-issued Samples)=1,000" in out[k + 2]
+    assert len(out) == k + 3  # --top 2, and the zero-sample line is not listed
+    assert out[0].startswith("== prep_kernel") and "75.0%" in out[1]
+
+
+def test_not_a_source_page_fails():
+    r = _run(stdin="ID,Kernel Name,Duration\n1,prep,3\n")
+    assert r.returncode == 1 and "no sample columns" in r.stdout
