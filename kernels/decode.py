@@ -26,7 +26,8 @@ writes 64 KiB of fp32 state for ~1 MFLOP), so the kernel is laid out for bandwid
   loaded together with the state index, before anything depends on the slot, and the state
   loads follow the index; padded rows (index -1) run the same arithmetic on a zero state with
   every store masked, which keeps the compiler from sinking the activation loads behind the
-  slot test (the ``late`` tile flag keeps the previous order for comparison);
+  slot test (the previous order, slot test first, was 3-10% slower in the H200 tile sweep,
+  ``e2e_bench/results/2026-11-21-nvidia-h200-decode-tiles.md``, tiles marked ``late``);
 * the state stays in registers across the ``T`` tokens; it is read once and written once
   (plus once per token into ``intermediate_states`` when the caller wants it); a streaming
   tile (``s``) stores each row of a single-token step as soon as it is updated.
@@ -77,8 +78,6 @@ class DecodeTile(NamedTuple):
     stream: for single-token steps that update the pool in place, keep the loaded rows in
         the pool dtype and convert, update and store them one row at a time (bf16: twice the
         bytes in flight per register); other calls ignore it.
-    late_loads: the previous kernel's load order (slot test first, k/q/v loaded after the
-        gate), kept as the sweep's baseline; ``stream`` does not apply to it.
     """
 
     rows_per_cta: int
@@ -86,7 +85,6 @@ class DecodeTile(NamedTuple):
     lanes_per_row: int = LANES_PER_ROW
     min_blocks: int = 0
     stream: bool = False
-    late_loads: bool = False
 
     def __str__(self) -> str:
         text = f"{self.rows_per_cta}x{self.threads}"
@@ -96,26 +94,23 @@ class DecodeTile(NamedTuple):
             text += f"b{self.min_blocks}"
         if self.stream:
             text += "s"
-        if self.late_loads:
-            text += "late"
         return text
 
     @classmethod
     def parse(cls, text: str) -> "DecodeTile":
-        """``ROWSxTHREADS[lLANES][bMINBLOCKS][s][late]``, e.g. ``32x64``, ``64x128l16``, ``32x64b8s``."""
-        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:b(\d+))?(s)?(late)?", text.strip())
+        """``ROWSxTHREADS[lLANES][bMINBLOCKS][s]``, e.g. ``32x64``, ``64x128l16``, ``32x64b8s``."""
+        m = re.fullmatch(r"(\d+)x(\d+)(?:l(\d+))?(?:b(\d+))?(s)?", text.strip())
         if m is None:
             raise ValueError(
-                f"decode tile {text!r}: expected ROWSxTHREADS[lLANES][bMINBLOCKS][s][late], e.g. 32x64l16s"
+                f"decode tile {text!r}: expected ROWSxTHREADS[lLANES][bMINBLOCKS][s], e.g. 32x64l16s"
             )
-        rows, threads, lanes, blocks, stream, late = m.groups()
+        rows, threads, lanes, blocks, stream = m.groups()
         return cls(
             int(rows),
             int(threads),
             int(lanes) if lanes else LANES_PER_ROW,
             int(blocks) if blocks else 0,
             stream is not None,
-            late is not None,
         )
 
     def check(self, pool_dtype: str) -> None:
@@ -165,13 +160,12 @@ def _build(
     lanes_per_row=LANES_PER_ROW,
     min_blocks=0,
     stream=False,
-    late_loads=False,
 ):
     """The TileLang program for one static configuration (dtypes as TileLang names)."""
     import tilelang.language as T
 
-    DecodeTile(rows_per_cta, threads, lanes_per_row, min_blocks, stream, late_loads).check(pool_dtype)
-    streaming = stream and T_tok == 1 and inplace and not late_loads
+    DecodeTile(rows_per_cta, threads, lanes_per_row, min_blocks, stream).check(pool_dtype)
+    streaming = stream and T_tok == 1 and inplace
     K, V = K_DIM, V_DIM
     LANES = lanes_per_row
     shuffles = LANES.bit_length() - 1  # butterfly steps over the lanes of one row
@@ -331,112 +325,6 @@ def _build(
                                     S[r, i * vec + j], pool_dtype
                                 )
 
-    if late_loads:
-        # The previous load order, kept as the tile sweep's baseline: slot test first, then the
-        # state, the gate's inputs, and k, q, v behind the gate's log1p branches.
-
-        @T.prim_func
-        def gdn_decode_late(
-            q: T.Tensor((N, T_tok, H, K), q_dtype),
-            k: T.Tensor((N, T_tok, H, K), q_dtype),
-            v: T.Tensor((N, T_tok, HV, V), q_dtype),
-            a: T.Tensor((N, T_tok, HV), ab_dtype),
-            b: T.Tensor((N, T_tok, HV), ab_dtype),
-            A_log: T.Tensor((HV,), alog_dtype),
-            dt_bias: T.Tensor((HV,), bias_dtype),
-            pool: T.Tensor((pool_len,), pool_dtype),
-            state_indices: T.Tensor((N,), idx_dtype),
-            o: T.Tensor((N, T_tok, HV, V), q_dtype),
-            inter: T.Tensor((inter_len,), pool_dtype),
-            slot_stride_vec: T.int64,
-            scale: T.float32,
-        ):
-            with T.Kernel(V // rows_per_cta, HV, N, threads=threads) as (bv, hv, n):
-                if min_blocks:
-                    T.annotate_min_blocks_per_sm(min_blocks)
-                tx = T.get_thread_binding()
-                gl = tx % LANES
-                row0 = bv * rows_per_cta + tx // LANES
-                S = T.alloc_local((R, per_lane), acc)
-                kk = T.alloc_local((per_lane,), acc)
-                qq = T.alloc_local((per_lane,), acc)
-                red = T.alloc_local((2,), acc)
-                gate = T.alloc_local((2,), acc)  # exp(g), beta of the current token
-                slot = T.cast(state_indices[n], "int64")
-                hq = hv // group
-                if slot < 0:
-                    # Padded row of a CUDA-graph batch: zero output, state untouched.
-                    for t in T.serial(T_tok):
-                        for r in T.unroll(R):
-                            if gl == 0:
-                                o[n, t, hv, row0 + r * rows_per_pass] = T.cast(0, q_dtype)
-                else:
-                    base = slot * slot_stride_vec * vec + T.cast(hv * (V * K), "int64")
-                    for r in T.unroll(R):
-                        for i in T.unroll(nvec):
-                            for j in T.vectorized(vec):
-                                S[r, i * vec + j] = T.cast(
-                                    pool[base + (row0 + r * rows_per_pass) * K + col(i, j, gl)], acc
-                                )
-                    neg_A = -T.exp(T.cast(A_log[hv], acc))
-                    for t in T.serial(T_tok):
-                        x = T.cast(a[n, t, hv], acc) + T.cast(dt_bias[hv], acc)
-                        gate[0] = T.exp(neg_A * T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log1p(T.exp(x))))
-                        gate[1] = 1.0 / (1.0 + T.exp(-T.cast(b[n, t, hv], acc)))
-                        for i in T.unroll(nvec):
-                            for j in T.vectorized(vec):
-                                kk[i * vec + j] = T.cast(k[n, t, hq, col(i, j, gl)], acc)
-                                qq[i * vec + j] = T.cast(q[n, t, hq, col(i, j, gl)], acc)
-                        if use_l2:
-                            red[0] = 0.0
-                            red[1] = 0.0
-                            for e in T.unroll(per_lane):
-                                red[0] += kk[e] * kk[e]
-                                red[1] += qq[e] * qq[e]
-                            for s in T.unroll(shuffles):
-                                red[0] += T.shfl_xor(red[0], 1 << s)
-                                red[1] += T.shfl_xor(red[1], 1 << s)
-                            red[0] = T.rsqrt(red[0] + L2NORM_EPS)
-                            red[1] = T.rsqrt(red[1] + L2NORM_EPS) * scale
-                            for e in T.unroll(per_lane):
-                                kk[e] = kk[e] * red[0]
-                                qq[e] = qq[e] * red[1]
-                        else:
-                            for e in T.unroll(per_lane):
-                                qq[e] = qq[e] * scale
-                        for r in T.unroll(R):
-                            row = row0 + r * rows_per_pass
-                            red[0] = 0.0
-                            for e in T.unroll(per_lane):
-                                S[r, e] = S[r, e] * gate[0]
-                                red[0] += S[r, e] * kk[e]
-                            for s in T.unroll(shuffles):
-                                red[0] += T.shfl_xor(red[0], 1 << s)
-                            red[0] = gate[1] * (T.cast(v[n, t, hv, row], acc) - red[0])
-                            red[1] = 0.0
-                            for e in T.unroll(per_lane):
-                                S[r, e] = S[r, e] + red[0] * kk[e]
-                                red[1] += S[r, e] * qq[e]
-                            for s in T.unroll(shuffles):
-                                red[1] += T.shfl_xor(red[1], 1 << s)
-                            if gl == 0:
-                                o[n, t, hv, row] = T.cast(red[1], q_dtype)
-                            if has_inter:
-                                ibase = ((T.cast(n, "int64") * T_tok + t) * HV + hv) * (V * K)
-                                for i in T.unroll(nvec):
-                                    for j in T.vectorized(vec):
-                                        inter[ibase + row * K + col(i, j, gl)] = T.cast(
-                                            S[r, i * vec + j], pool_dtype
-                                        )
-                    if inplace:
-                        for r in T.unroll(R):
-                            for i in T.unroll(nvec):
-                                for j in T.vectorized(vec):
-                                    pool[base + (row0 + r * rows_per_pass) * K + col(i, j, gl)] = T.cast(
-                                        S[r, i * vec + j], pool_dtype
-                                    )
-
-        return gdn_decode_late
     return gdn_decode
 
 

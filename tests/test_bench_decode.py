@@ -94,11 +94,11 @@ def test_engine_fla_loads_from_source_without_vllm(tmp_path):
 def test_sweep_cases_prefixes_and_skips():
     messages = []
     cases = bench._sweep_cases(
-        ["32x128late", "bf16:32x64s", "fp32:8x32l32s", "16x32l32s"], ["fp32", "bf16"], messages.append
+        ["32x128", "bf16:32x64s", "fp32:8x32l32s", "16x32l32s"], ["fp32", "bf16"], messages.append
     )
     assert [(str(t), s) for t, s in cases] == [
-        ("32x128late", "fp32"),
-        ("32x128late", "bf16"),
+        ("32x128", "fp32"),
+        ("32x128", "bf16"),
         ("32x64s", "bf16"),
         ("8x32l32s", "fp32"),
         ("16x32l32s", "fp32"),

@@ -259,7 +259,7 @@ def test_cuda_graph_capture_and_replay():
 
 
 # Tile variants: each must give the reference's numbers, whatever the tile.
-TILE_VARIANTS = ["32x128", "16x128late", "32x64s", "8x32s", "32x64l4s", "64x128l16", "32x32l32s", "32x64b12s"]
+TILE_VARIANTS = ["32x128", "16x128", "32x64s", "8x32s", "32x64l4s", "64x128l16", "32x32l32s", "32x64b12s"]
 
 
 @gpu
@@ -283,18 +283,18 @@ def test_every_tile_variant(tile, pool_dtype, T):
 def test_tile_text_round_trip():
     from qla_serving.kernels.decode import LANES_PER_ROW, DecodeTile
 
-    for text in ["32x64", "64x128l16", "32x64b8", "8x32l32s", "32x64l4b12s", "16x128late"]:
+    for text in ["32x64", "64x128l16", "32x64b8", "8x32l32s", "32x64l4b12s", "16x128"]:
         assert str(DecodeTile.parse(text)) == text
     tile = DecodeTile.parse("32x64l4b12s")
     assert tile == DecodeTile(32, 64, 4, 12, True)
-    assert DecodeTile.parse("16x128") == DecodeTile(16, 128, LANES_PER_ROW, 0, False, False)
-    assert DecodeTile.parse("32x64late").late_loads
+    assert DecodeTile.parse("16x128") == DecodeTile(16, 128, LANES_PER_ROW, 0, False)
 
 
 @pytest.mark.parametrize(
     "text,dtype,message",
     [
         ("32x64x", "float32", "expected ROWSxTHREADS"),
+        ("32x64late", "float32", "expected ROWSxTHREADS"),  # the old load order is gone
         ("32x64l32", "bfloat16", "lanes_per_row <= 16"),
         ("32x64l3", "float32", "must be 4, 8, 16 or 32"),
         ("48x64", "float32", "must divide 128"),
@@ -371,7 +371,7 @@ def test_shipped_configs_are_valid():
         ("32x32l32s", torch.float32, 1, True, True),
         ("32x64l4b12s", torch.bfloat16, 3, True, True),
         ("16x128l16", torch.float32, 2, True, False),
-        ("32x64l4late", torch.bfloat16, 2, True, True),
+        ("32x64l4", torch.bfloat16, 2, True, True),
     ],
 )
 def test_tile_variants_build_for_sm90a(tile, pool_dtype, T, inter, inplace):

@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         metavar="TILE",
-        help="time our kernel with these tiles instead of the comparison: ROWSxTHREADS[lLANES][bMINBLOCKS][s][late], "
+        help="time our kernel with these tiles instead of the comparison: ROWSxTHREADS[lLANES][bMINBLOCKS][s], "
         "optionally prefixed fp32: or bf16: to time it with that state only",
     )
     ap.add_argument(
