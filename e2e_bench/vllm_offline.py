@@ -361,8 +361,8 @@ def llm_kwargs(model_dir: str, backend: str, prefix_caching: bool, *, enforce_ea
     return kwargs
 
 
-def _select_cpu_platform() -> None:
-    """On a machine without a GPU, make vLLM resolve its CPU platform (dry run only).
+def select_cpu_platform() -> None:
+    """On a machine without a GPU, make vLLM resolve its CPU platform (dry run; tests/vllm).
 
     The CUDA build of vLLM finds no platform without a GPU; vLLM's seam for choosing one is a
     ``vllm.platform_plugins`` entry point. This writes one into a private metadata directory on
@@ -851,7 +851,7 @@ def main(argv=None) -> int:
                           max_model_len=_max_model_len(args), **_memory_settings(args))
 
     if args.dry_run:
-        _select_cpu_platform()
+        select_cpu_platform()
         checked = {}
         for b, pc in runs:
             cfg = check_engine_config(kwargs_of(b, pc))

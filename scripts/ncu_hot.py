@@ -21,7 +21,7 @@ def _rows(text: str):
     each after a line naming the kernel)."""
     tables, kernel, lines = [], "", []
     for line in text.splitlines():
-        if line.startswith('"') or line.startswith("Address") or (lines and line):
+        if line.startswith(('"', "Address")) or (lines and line):
             lines.append(line)
             continue
         if lines:
@@ -52,10 +52,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.path == "-":
         text = sys.stdin.read()
-    elif args.path.endswith(".xz"):
-        text = lzma.open(args.path, "rt").read()
     else:
-        text = open(args.path).read()
+        opener = lzma.open if args.path.endswith(".xz") else open
+        with opener(args.path, "rt") as f:
+            text = f.read()
     found = False
     for kernel, header, rows in _rows(text):
         samples = [i for i, h in enumerate(header) if "Sampl" in h]

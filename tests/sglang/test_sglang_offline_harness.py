@@ -14,7 +14,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "e2e_bench"))
 
-import sglang_offline  # noqa: E402
+import sglang_offline
 
 
 def _model_config(tmp_path):
@@ -52,7 +52,7 @@ def test_sglang_reads_plain_rope_from_the_config(tmp_path):
 def test_dry_run_accepts_every_backend(tmp_path):
     run = subprocess.run(
         [sys.executable, str(ROOT / "e2e_bench" / "sglang_offline.py"), "--dry-run", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     for backend in sglang_offline.BACKENDS:

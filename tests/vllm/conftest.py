@@ -24,21 +24,18 @@ def _register_cpu_platform() -> None:
     """Make vLLM resolve its real CPU platform on a machine without a GPU.
 
     The CUDA build of vLLM finds no platform here ("unspecified", which cannot even build a
-    config). vLLM's own seam for choosing a platform is a ``vllm.platform_plugins`` entry
-    point, read when ``vllm`` is first imported; this writes one into a private metadata
-    directory on ``sys.path`` before that import. Nothing is installed.
+    config). The GPU harness's ``select_cpu_platform`` writes a ``vllm.platform_plugins``
+    entry point into a private metadata directory on ``sys.path`` before vLLM is first
+    imported (vLLM's own seam for choosing a platform). Nothing is installed.
     """
-    import sys
-    import tempfile
+    import importlib.util
+    import pathlib
 
-    root = tempfile.mkdtemp(prefix="qla_vllm_cpu_platform_")
-    info = os.path.join(root, "qla_vllm_test_cpu_platform-0.0.dist-info")
-    os.makedirs(info)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: qla-vllm-test-cpu-platform\nVersion: 0.0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[vllm.platform_plugins]\nqla_test_cpu = qla_vllm_helpers:cpu_platform\n")
-    sys.path.insert(0, root)
+    script = pathlib.Path(__file__).resolve().parents[2] / "e2e_bench" / "vllm_offline.py"
+    spec = importlib.util.spec_from_file_location("qla_e2e_vllm_offline_platform", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # standard library imports only; vLLM is not imported
+    module.select_cpu_platform()
 
 
 def _vllm_installed() -> bool:

@@ -64,11 +64,6 @@ def metadata_builder(layer, vllm_config, device="cpu"):
     return builder_cls(spec, [layer.prefix], vllm_config, torch.device(device))
 
 
-def cpu_platform() -> str:
-    """``vllm.platform_plugins`` entry point (registered by conftest on machines without a GPU)."""
-    return "vllm.platforms.cpu.CpuPlatform"
-
-
 _layer_ids = itertools.count()
 
 
