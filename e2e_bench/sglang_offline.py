@@ -67,7 +67,8 @@ def text_model_config(**shape) -> dict:
     text = dict(shared.model_config(**shape)["text_config"])
     # Plain RoPE parameters in place of the M-RoPE ones: SGLang's Qwen3_5TextConfig reads
     # rope_theta from rope_parameters (an empty dict there is a KeyError at model build).
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+    text["rope_parameters"] = rope
     # SGLang's Qwen3NextConfig lays the layers out from full_attention_interval (as Qwen3-Next
     # and Qwen3.5 checkpoints write it), not from layer_types: give it the period of ours.
     full = [i for i, t in enumerate(text["layer_types"]) if t == "full_attention"]
@@ -78,8 +79,8 @@ def text_model_config(**shape) -> dict:
     text.update(
         architectures=["Qwen3_5ForCausalLM"],
         model_type="qwen3_5_text",
-        rope_theta=10000000.0,
-        partial_rotary_factor=0.25,
+        rope_theta=rope["rope_theta"],
+        partial_rotary_factor=rope["partial_rotary_factor"],
         torch_dtype="bfloat16",
     )
     return text
@@ -137,6 +138,20 @@ def engine_kwargs(
     if device is not None:
         kwargs["device"] = device
     return kwargs
+
+
+def run_engine_kwargs(args, model_dir: str, backend: str, device: str | None = None) -> dict:
+    """:func:`engine_kwargs` of one run, from this command's arguments (dry run and GPU run alike)."""
+    return engine_kwargs(
+        model_dir,
+        backend,
+        prefix_caching=args.prefix_caching == "on",
+        cuda_graph=args.cuda_graph,
+        seed=args.seed,
+        context_length=args.context_length,
+        mem_fraction=args.mem_fraction,
+        device=device,
+    )
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -286,17 +301,7 @@ def dry_run(args, model_dir: str, prompts) -> int:
 
     plugin.register()  # `flashqla` becomes a valid --linear-attn-backend, as SGLang's loader does
     for backend in args.backends:
-        kw = engine_kwargs(
-            model_dir,
-            backend,
-            prefix_caching=args.prefix_caching == "on",
-            cuda_graph=args.cuda_graph,
-            seed=args.seed,
-            context_length=args.context_length,
-            mem_fraction=args.mem_fraction,
-            device="cpu",
-        )
-        server_args = ServerArgs(**kw)
+        server_args = ServerArgs(**run_engine_kwargs(args, model_dir, backend, device="cpu"))
         model_config = ModelConfig.from_server_args(server_args)
         text = hybrid_arch.hybrid_gdn_config(model_config)
         if text is None:
@@ -392,15 +397,7 @@ def main(argv=None) -> int:
             "max_tokens": args.max_tokens,
             "passes": ["cold", "cached"] if args.prefix_caching == "on" else ["cold"],
             "result": str(work / f"{backend}.json"),
-            "engine": engine_kwargs(
-                str(model_dir),
-                backend,
-                prefix_caching=args.prefix_caching == "on",
-                cuda_graph=args.cuda_graph,
-                seed=args.seed,
-                context_length=args.context_length,
-                mem_fraction=args.mem_fraction,
-            ),
+            "engine": run_engine_kwargs(args, str(model_dir), backend),
         }
         spec_path = work / f"{backend}.spec.json"
         spec_path.write_text(json.dumps(spec))

@@ -97,13 +97,12 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def publish_args(sglang_plugins, tiny_model_dir):
-    """Parse CLI flags with SGLang's parser and publish them as this process's runtime config."""
-    from sglang.srt import runtime_context
+def parse_args(sglang_plugins, tiny_model_dir):
+    """Parse CLI flags (after the tiny model's CPU ones) with SGLang's own parser."""
     from sglang.srt.server_args import prepare_server_args
 
-    def publish(*flags: str):
-        args = prepare_server_args(
+    def parse(*flags: str):
+        return prepare_server_args(
             [
                 "--model-path",
                 tiny_model_dir,
@@ -115,6 +114,17 @@ def publish_args(sglang_plugins, tiny_model_dir):
                 *flags,
             ]
         )
+
+    return parse
+
+
+@pytest.fixture
+def publish_args(parse_args):
+    """Parse CLI flags with SGLang's parser and publish them as this process's runtime config."""
+    from sglang.srt import runtime_context
+
+    def publish(*flags: str):
+        args = parse_args(*flags)
         runtime_context.publish(args, role="scheduler")
         return args
 

@@ -44,20 +44,8 @@ def test_sglang_loader_runs_the_plugin(sglang_plugins):
         (["--linear-attn-decode-backend", "flashqla"], "linear_attn_decode_backend"),
     ],
 )
-def test_flags_accept_flashqla_and_reach_server_args(sglang_plugins, tiny_model_dir, flags, field):
-    from sglang.srt.server_args import prepare_server_args
-
-    args = prepare_server_args(
-        [
-            "--model-path",
-            tiny_model_dir,
-            "--skip-tokenizer-init",
-            "--device",
-            "cpu",
-            "--disable-radix-cache",
-            *flags,
-        ]
-    )
+def test_flags_accept_flashqla_and_reach_server_args(parse_args, flags, field):
+    args = parse_args(*flags)
     assert getattr(args, field) == "flashqla"
 
 
