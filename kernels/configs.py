@@ -8,6 +8,10 @@ justifies it.
 PREFILL_CONFIGS: dict = {
     # prep (grid chunk x value head): one warpgroup; the 64-row tiles are one wgmma M each
     "prep_threads": 128,
+    # prep blocks per SM promised to ptxas (0: none). Unbounded, ptxas takes 202 registers (two
+    # blocks, 8 warps per SM for a latency-bound kernel); 4 caps them at 128 (7 spill stores).
+    # H200, 16/64 heads x 32768 tokens: 1.53 ms unbounded, 1.29 ms at 3 (168 registers), 1.21 ms at 4.
+    "prep_min_blocks": 4,
     # chunk_fwd (grid 1 x value head x work item): four warpgroups (state, delta values,
     # output, TMA producer) handing off through mbarriers; registers per role for setmaxnreg
     # (sum 512 = 64K / 128 threads; a thread starts with 128). H200: every cell of the prefill
