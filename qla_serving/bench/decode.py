@@ -678,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     meta = common.machine_meta()
     meta["command"] = " ".join(shlex.quote(x) for x in ["qla-serving", "bench", "decode", *argv])
+    meta["iters"] = args.iters
     print(f"{meta['gpu']}: copy {meta['copy_gbs']} GB/s", flush=True)
     if args.sweep_tiles:
         path = common.results_path("decode-tiles", meta["gpu"], args.out_dir)

@@ -173,6 +173,7 @@ def main(argv=None) -> int:
 
     meta = common.machine_meta()
     meta["command"] = " ".join(["qla-serving", "bench", "prefill", *(argv if argv is not None else sys.argv[1:])])
+    meta["iters"] = args.iters
     rows, notes = [], []
     path = common.results_path("prefill", meta["gpu"], args.out_dir)
 
