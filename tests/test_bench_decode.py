@@ -44,6 +44,17 @@ def test_summary_judges_fla_by_the_engine_call():
     assert "FlashInfer" not in missed
 
 
+def test_summary_puts_the_same_size_copy_beside_the_large_one_and_judges_by_the_large():
+    rows = [_row("qla", 0.072, 3720.0), _row("copy", 0.066, 4000.0)]
+    lines = bench.summary(rows, copy_gbs=4250.0)
+    header = next(ln for ln in lines if ln.startswith("| hqk"))
+    assert "% same-size copy" in header and "copy GB/s" not in header  # the copy is no competitor
+    row = next(ln for ln in lines if ln.startswith("| 2 | 8 | fp32 | 256"))
+    assert row.split(" | ")[5:7] == ["87.5%", "93.0%"]
+    assert "87.5% of copy (< 90%)" in lines[-1]  # still judged against the run's large copy
+    assert "| – |" in next(ln for ln in bench.summary(rows[:1], copy_gbs=4250.0) if ln.startswith("| 2 | 8"))
+
+
 def test_bad_sweep_tile_is_an_argument_error(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--sweep-tiles", "32x64", "32by64"])
