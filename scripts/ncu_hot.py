@@ -17,20 +17,29 @@ import sys
 
 
 def _rows(text: str):
-    """(kernel name or '', header, rows) per CSV table in the page (ncu prints one per kernel,
-    each after a line naming the kernel)."""
+    """(kernel name or '', header, rows) per CSV table in the page. ncu 2025 prints one table per
+    kernel after a ``"Kernel Name","<name>",`` row; older pages put the bare name on a line of
+    its own, tables separated by blank lines."""
     tables, kernel, lines = [], "", []
-    for line in text.splitlines():
-        if line.startswith(('"', "Address")) or (lines and line):
-            lines.append(line)
-            continue
+
+    def close():
+        nonlocal lines
         if lines:
             tables.append((kernel, lines))
             lines = []
+
+    for line in text.splitlines():
+        if line.startswith('"Kernel Name"'):
+            close()
+            kernel = next(csv.reader([line]))[1].strip()
+            continue
+        if line.startswith(('"', "Address")) or (lines and line):
+            lines.append(line)
+            continue
+        close()
         if line.strip():
             kernel = line.strip()
-    if lines:
-        tables.append((kernel, lines))
+    close()
     for kernel, block in tables:
         reader = csv.reader(io.StringIO("\n".join(block)))
         header = next(reader, None)
@@ -66,9 +75,19 @@ def main(argv=None) -> int:
         src = next((i for i, h in enumerate(header) if h.strip() == "Source"), None)
         total = sum(_num(r[total_col]) for r in rows if len(r) > total_col) or 1.0
         print(f"== {kernel or '(kernel)'}: {len(rows)} lines, {total:.0f} samples in '{header[total_col]}'")
+        # per-reason columns (stall_barrier, stall_long_sb, ...), the issued and not-issued ones
+        reasons_cols = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
+        if reasons_cols:
+            sums = {header[i]: sum(_num(r[i]) for r in rows if len(r) > i) for i in reasons_cols}
+            top = sorted(sums.items(), key=lambda kv: -kv[1])[:8]
+            print("   by reason: " + ", ".join(f"{k[6:]} {100 * v / total:.1f}%" for k, v in top if v))
         hot = sorted((r for r in rows if len(r) > total_col), key=lambda r: -_num(r[total_col]))[: args.top]
         for r in hot:
+            per = sorted(((header[i][6:], _num(r[i])) for i in reasons_cols if len(r) > i and _num(r[i])),
+                         key=lambda kv: -kv[1])[:3]
             reasons = ", ".join(f"{header[i]}={r[i]}" for i in samples[1:] if _num(r[i]))
+            if per:
+                reasons = ", ".join(f"{k} {v:.0f}" for k, v in per)
             text_col = r[src] if src is not None else ""
             print(f"{100 * _num(r[total_col]) / total:5.1f}%  {text_col[:70]:<70}  {reasons[:160]}")
     if not found:
