@@ -95,7 +95,7 @@ def _pass_configs():
 # --------------------------------------------------------------------------------------
 
 
-def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0):
+def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_row_pad: int = 0):
     import tilelang.language as T
 
     H, HV, K, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, CHUNK
@@ -136,7 +136,9 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0):
             G_s = T.alloc_shared((C,), f32)
             b_s = T.alloc_shared((C,), f32)
             A_f = T.alloc_fragment((C, C), f32)
-            A_s = T.alloc_shared((C, C), f32)  # strict lower A, fp32
+            # strict lower A, fp32; rows padded by a_row_pad floats: written from the wgmma
+            # fragment, eight rows at a time, a 64-float row stride puts them all in one bank
+            A_s = T.alloc_shared((C, C + a_row_pad), f32)
             Dinv_s = T.alloc_shared((C, C), f32)  # inverse of the 16x16 diagonal blocks
             Bt_s = T.alloc_shared((C, C), f32)  # a right-hand operand, stored transposed (K-major)
             X_s = T.alloc_shared((C, C), f32)  # a left-hand operand
@@ -189,7 +191,7 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0):
             # ---- A = strict_lower(beta_i k_i.k_j exp(G_i - G_j))
             T.gemm(k_s, k_s, A_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
-                A_s[i, j] = T.if_then_else(i > j, A_f[i, j] * b_s[i] * T.exp(G_s[i] - G_s[j]), 0.0)
+                A_s[i, j] = T.if_then_else(i > j, A_f[i, j] * b_s[i] * T.exp2((G_s[i] - G_s[j]) * LOG2E), 0.0)
                 Dinv_s[i, j] = 0.0
 
             # ---- inverse of the 16x16 diagonal blocks of (I + A), forward substitution:
@@ -499,7 +501,7 @@ def _kernel_set(cfg: PrefillStaticConfig):
 
         tune = PREFILL_CONFIGS
         target, pc = _target(), _pass_configs()
-        prep = tilelang.compile(_build_prep(cfg, tune["prep_threads"], tune["prep_min_blocks"]),
+        prep = tilelang.compile(_build_prep(cfg, tune["prep_threads"], tune["prep_min_blocks"], tune["prep_a_row_pad"]),
                                 target=target, pass_configs=pc)
         # chunk_fwd places its own warpgroup barriers (see _build_chunk_fwd)
         fwd_pc = dict(pc, **{tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
