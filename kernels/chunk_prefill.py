@@ -257,6 +257,7 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
     shared load (H200: chunk_fwd 1.58 -> 1.30 ms at 16/64 heads 8x4096).
     """
     import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
 
     H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
     ratio = HV // H
@@ -317,6 +318,9 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
             q_s = T.alloc_shared((2, C, K), dt)
             k_s = T.alloc_shared((2, C, K), dt)
             v_s = T.alloc_shared((2, C, V), dt)
+            # swizzled like the wgmma operands: WG1 reads v in the accumulator fragment's order,
+            # eight rows at once, which a plain 256-byte row stride turns into 8-way conflicts
+            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
             t_s = T.alloc_shared((2, C, C), dt)
             g_s = T.alloc_shared((2, C), f32)
             S_s = T.alloc_shared((V, K), dt)
