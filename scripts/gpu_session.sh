@@ -8,8 +8,8 @@
 # Steps: tests (pytest -m gpu), check (qla-serving check), bench-prefill, bench-decode,
 # profile-prefill (Nsight Compute on prep and chunk_fwd: one chain-bound cell, 2/8 heads 1x8192
 # without AutoCP, and one throughput-bound cell, 16/64 heads 8x4096; details page and per-SASS-line
-# stall samples under $OUT/profile-*, the hottest lines summarised by scripts/ncu_hot.py; the
-# .ncu-rep files stay in /tmp, they are large).
+# stall samples, the hottest lines summarised by scripts/ncu_hot.py, all in
+# $OUT/profile-prefill.tar.xz; the .ncu-rep files stay in /tmp, they are large).
 # Extra pytest arguments: QLA_PYTEST_ARGS="-k decode".
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,6 +41,9 @@ for step in "$@"; do
           head -12 "$OUT/profile-$name-hot.txt"
           tail -3 "$OUT/profile-$name-run.log"; grep -E "^  [a-z_]+_kernel|Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" "$OUT/profile-$name-details.txt" | head -30
         done
+        # one archive instead of four files per cell: the lent machine returns few files per call
+        tar -C "$OUT" -cJf "$OUT/profile-prefill.tar.xz" --remove-files \
+          $(cd "$OUT" && ls profile-*-details.txt profile-*-sass.csv.xz profile-*-hot.txt profile-*-run.log 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/profile-prefill.log" | tail -80 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
