@@ -136,35 +136,41 @@ class DecodeTile(NamedTuple):
             raise ValueError(f"decode tile {self}: min_blocks must be >= 0")
 
 
-_cache: dict[tuple, object] = {}
+class DecodeStaticConfig(NamedTuple):
+    """Everything a compiled decode kernel depends on (dtypes as TileLang names); the batch
+    size, pool size and slot numbers are run-time values. Also the kernel cache's key."""
+
+    num_qk_heads: int
+    num_v_heads: int
+    tokens: int  # tokens per sequence, 1..MAX_TOKENS
+    q_dtype: str  # q, k, v and the output
+    ab_dtype: str
+    alog_dtype: str
+    bias_dtype: str
+    pool_dtype: str
+    idx_dtype: str
+    use_l2: bool
+    has_inter: bool  # writes the state after every token to a caller buffer
+    inplace: bool  # writes the final state back to the pool
+    tile: DecodeTile
+
+
+_cache: dict[DecodeStaticConfig, object] = {}
 _cache_lock = threading.Lock()
-_key_locks: dict[tuple, threading.Lock] = {}
+_key_locks: dict[DecodeStaticConfig, threading.Lock] = {}
 compile_count = 0  # kernels compiled by this process (the engines check it stays flat)
 
 
-def _build(
-    H,
-    HV,
-    T_tok,
-    q_dtype,
-    ab_dtype,
-    alog_dtype,
-    bias_dtype,
-    pool_dtype,
-    idx_dtype,
-    use_l2,
-    has_inter,
-    inplace,
-    rows_per_cta,
-    threads,
-    lanes_per_row=LANES_PER_ROW,
-    min_blocks=0,
-    stream=False,
-):
-    """The TileLang program for one static configuration (dtypes as TileLang names)."""
+def _build(cfg: DecodeStaticConfig):
+    """The TileLang program for one static configuration."""
     import tilelang.language as T
 
-    DecodeTile(rows_per_cta, threads, lanes_per_row, min_blocks, stream).check(pool_dtype)
+    H, HV, T_tok = cfg.num_qk_heads, cfg.num_v_heads, cfg.tokens
+    q_dtype, ab_dtype, alog_dtype, bias_dtype = cfg.q_dtype, cfg.ab_dtype, cfg.alog_dtype, cfg.bias_dtype
+    pool_dtype, idx_dtype = cfg.pool_dtype, cfg.idx_dtype
+    use_l2, has_inter, inplace = cfg.use_l2, cfg.has_inter, cfg.inplace
+    rows_per_cta, threads, lanes_per_row, min_blocks, stream = cfg.tile
+    cfg.tile.check(pool_dtype)
     streaming = stream and T_tok == 1 and inplace
     K, V = K_DIM, V_DIM
     LANES = lanes_per_row
@@ -328,7 +334,7 @@ def _build(
     return gdn_decode
 
 
-def _get_kernel(key: tuple):
+def _get_kernel(key: DecodeStaticConfig):
     """The compiled kernel of one static configuration; compiles it on first use.
 
     Different keys may compile in parallel threads (nvcc runs as a subprocess); one key
@@ -346,7 +352,7 @@ def _get_kernel(key: tuple):
             import tilelang
 
             kernel = tilelang.compile(
-                _build(*key),
+                _build(key),
                 target={"kind": "cuda", "arch": "sm_90a"},
                 # Addresses come from run-time slot numbers the compiler cannot bound; its
                 # guards would also stop the 16-byte vectorisation. The op layer checks shapes.
@@ -440,8 +446,9 @@ def _key(
     has_inter,
     inplace,
     tile,
-):
-    return (
+) -> DecodeStaticConfig:
+    """The static configuration of a call, from its torch dtypes and flags."""
+    return DecodeStaticConfig(
         H,
         HV,
         T_tok,
@@ -454,7 +461,7 @@ def _key(
         bool(use_l2),
         bool(has_inter),
         bool(inplace),
-        *tile,
+        DecodeTile(*tile),
     )
 
 
