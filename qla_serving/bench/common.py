@@ -145,7 +145,7 @@ def write_results(path: pathlib.Path, meta: dict, rows: list[dict], key_cols: li
     header = [f"# {path.stem}", "", f"- GPU: {meta['gpu']}", f"- command: `{meta['command']}`",
               f"- versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
               f"- measured ceilings: copy {meta['copy_gbs']} GB/s, bf16 {meta['bf16_tflops']} TFLOP/s",
-              f"- times: median ms of {meta.get('iters', '?')} timed runs per cell after warm-up; ratios > 1 mean "
-              "qla is faster", ""]
+              (f"- times: median ms of {meta.get('iters', '?')} timed runs per cell after warm-up; "
+               "ratios > 1 mean qla is faster"), ""]
     md = "\n".join(header) + markdown_table(rows, key_cols, impls) + "\n" + (f"\n{notes}\n" if notes else "")
     path.with_suffix(".md").write_text(md)

@@ -438,9 +438,11 @@ def summary(rows: list[dict], copy_gbs: float) -> list[str]:
     others = [i for i in IMPLS if i != "qla" and any(i in c for c in cells.values())]
     lines = [
         "",
-        f"GB/s (copy {copy_gbs:.0f} GB/s measured in this run, 2 GiB; '% same-size copy': against a copy "
-        "of the cell's state bytes timed like the cell, launch and tail costs included; the target is "
-        "judged against the first):",
+        (
+            f"GB/s (copy {copy_gbs:.0f} GB/s measured in this run, 2 GiB; '% same-size copy': against a "
+            "copy of the cell's state bytes timed like the cell, launch and tail costs included; the "
+            "target is judged against the first):"
+        ),
         "",
         "| hqk | hv | state | batch | qla GB/s | % copy | % same-size copy | "
         + " | ".join(f"{i} GB/s" for i in others)
