@@ -85,9 +85,10 @@ def main(argv=None) -> int:
         for r in hot:
             per = sorted(((header[i][6:], _num(r[i])) for i in reasons_cols if len(r) > i and _num(r[i])),
                          key=lambda kv: -kv[1])[:3]
-            reasons = ", ".join(f"{header[i]}={r[i]}" for i in samples[1:] if _num(r[i]))
-            if per:
+            if per:  # the line's top stall reasons where the page has them, else its other sample columns
                 reasons = ", ".join(f"{k} {v:.0f}" for k, v in per)
+            else:
+                reasons = ", ".join(f"{header[i]}={r[i]}" for i in samples[1:] if _num(r[i]))
             text_col = r[src] if src is not None else ""
             print(f"{100 * _num(r[total_col]) / total:5.1f}%  {text_col[:70]:<70}  {reasons[:160]}")
     if not found:
