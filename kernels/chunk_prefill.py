@@ -144,6 +144,10 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             X_s = T.alloc_shared((C, C), f32)  # a left-hand operand
             P_f = T.alloc_fragment((C, C), f32)
             Q_f = T.alloc_fragment((C, C), f32)
+            # element-wise results on their way to shared memory (two: their layouts follow
+            # the wgmma accumulator and the mma.sync one)
+            M_f = T.alloc_fragment((C, C), f32)
+            D_f = T.alloc_fragment((C, C), f32)
             col = T.alloc_local((BLK,), f32)
 
             # ---- q (one block per q/k head writes it) and k: loaded, zero past the chunk's end,
@@ -189,9 +193,16 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
                 g_cum[ic, hv, tx] = acc  # past the chunk's end g = 0: G stays flat
 
             # ---- A = strict_lower(beta_i k_i.k_j exp(G_i - G_j))
+            # Element-wise steps either only load shared memory (into a fragment) or only store
+            # to it: a loop that does both reloads every operand after each store (the compiler
+            # cannot rule out aliasing), one load latency per element. Exponents are clamped
+            # where masked (G_i - G_j <= 0 for i >= j; above the diagonal it could overflow, and
+            # inf * 0 is NaN), so that the loop has no branch and its loads issue together.
             T.gemm(k_s, k_s, A_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):  # (A_f is the wgmma accumulator: written only by wgmma)
+                M_f[i, j] = T.if_then_else(i > j, A_f[i, j] * b_s[i], 0.0) * T.exp2(T.min(G_s[i] - G_s[j], 0.0) * LOG2E)
             for i, j in T.Parallel(C, C):
-                A_s[i, j] = T.if_then_else(i > j, A_f[i, j] * b_s[i] * T.exp2((G_s[i] - G_s[j]) * LOG2E), 0.0)
+                A_s[i, j] = M_f[i, j]
                 Dinv_s[i, j] = 0.0
 
             # ---- inverse of the 16x16 diagonal blocks of (I + A), forward substitution:
@@ -207,8 +218,10 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
 
             # ---- merge: (I + A) = D (I + P) with P = D^-1 N, N the strictly block-lower
             # part; P^4 = 0, so (I + A)^-1 = (I - P)(I + P^2) D^-1.
+            for i, j in T.Parallel(C, C):
+                M_f[i, j] = T.if_then_else(i // BLK > j // BLK, A_s[i, j], 0.0)
             for i, j in T.Parallel(C, C):  # Bt = N^T
-                Bt_s[j, i] = T.if_then_else(i // BLK > j // BLK, A_s[i, j], 0.0)
+                Bt_s[j, i] = M_f[i, j]
             T.gemm(Dinv_s, Bt_s, P_f, transpose_B=True, clear_accum=True)  # P
             for i, j in T.Parallel(C, C):
                 X_s[i, j] = P_f[i, j]
@@ -222,8 +235,10 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
                 X_s[i, j] = Q_f[i, j]
             T.gemm(X_s, Bt_s, Q_f, transpose_B=True)  # R = Q + Q P^2
             for i, j in T.Parallel(C, C):
+                D_f[i, j] = Dinv_s[i, j]
+            for i, j in T.Parallel(C, C):
                 X_s[i, j] = Q_f[i, j]
-                Bt_s[j, i] = Dinv_s[i, j]
+                Bt_s[j, i] = D_f[i, j]
             T.gemm(X_s, Bt_s, P_f, transpose_B=True, clear_accum=True)  # T = R D^-1
 
             # ---- T diag(beta): v' = T diag(beta) (v - exp(G) k h) needs only this matrix
@@ -328,16 +343,21 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
             vn_s = T.alloc_shared((C, V), dt)
             vd_s = T.alloc_shared((C, V), dt)
             p_s = T.alloc_shared((C, C), dt)
-            eg1_s = T.alloc_shared((C,), f32)  # WG1's per-row exp(G_i)
-            er1_s = T.alloc_shared((C,), f32)  # WG1's per-row exp(G_last - G_i), 0 past the end
+            eg1_s = T.alloc_shared((2, C), f32)  # WG1's per-row exp(G_i), per stage
+            er1_s = T.alloc_shared((2, C), f32)  # WG1's per-row exp(G_last - G_i), 0 past the end, per stage
             eg2_s = T.alloc_shared((C,), f32)  # WG2's per-row exp(G_i)
             S_f = T.alloc_fragment((V, K), f32)
             x_f = T.alloc_fragment((C, V), f32)
             o_f = T.alloc_fragment((C, V), f32)
             p_f = T.alloc_fragment((C, C), f32)
+            # element-wise results in the activation dtype, apart from the wgmma accumulators:
+            # writing an accumulator outside wgmma made ptxas serialise every wgmma of the kernel
+            y_f = T.alloc_fragment((C, V), dt)
+            pb_f = T.alloc_fragment((C, C), dt)
             first = T.alloc_var("int32")
             decay = T.alloc_var(f32)
             g_last = T.alloc_var(f32)
+            ck_row = T.alloc_var("int32")
 
             full = T.alloc_barrier([WG, WG])  # stage filled (producer)
             empty = T.alloc_barrier([3 * WG, 3 * WG])  # stage consumed (WG0-2)
@@ -392,9 +412,13 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
                     T.barrier_arrive(vd_free)
                     if ckpt_every_chunks > 0:
                         if ci >= out_chunk and L == C and (ci + 1) % ckpt_every_chunks == 0:
-                            row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
+                            # a variable, not an expression: TileLang inlines a plain binding into
+                            # every element's address (a global load and an int64 division each),
+                            # and ptxas kept those addresses live across the chunk loop, spilling
+                            # the state copy's (H200: ~1k cycles per chunk on the chain)
+                            ck_row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
                             for i, d in T.Parallel(V, K):
-                                checkpoints[row, hv, i, d] = S_f[i, d]
+                                checkpoints[ck_row, hv, i, d] = S_f[i, d]
                     T.barrier_arrive(empty[st])
                 if end_chunk == T.ceildiv(eos - bos, C):
                     for i, d in T.Parallel(V, K):
@@ -408,30 +432,38 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
                     ci = first + c
                     L = T.min(eos - (bos + ci * C), C)
                     T.barrier_wait(full[st], (c // 2) % 2)
+                    # the gate factors before the state arrives, off the chain; one buffer per
+                    # stage: this stage's were last read two chunks ago, and every thread has
+                    # passed this role's barriers of the chunk between since
+                    g_last = g_s[st, L - 1]
+                    for i in T.Parallel(C):
+                        eg1_s[st, i] = T.exp2(g_s[st, i] * LOG2E)
+                        er1_s[st, i] = T.if_then_else(i < L, T.exp2((g_last - g_s[st, i]) * LOG2E), 0.0)
                     T.barrier_wait(s_ready, c % 2)
                     T.gemm(k_s[st, :, :], S_s, x_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(s_free)
-                    g_last = g_s[st, L - 1]
-                    for i in T.Parallel(C):
-                        eg1_s[i] = T.exp2(g_s[st, i] * LOG2E)
-                        er1_s[i] = T.if_then_else(i < L, T.exp2((g_last - g_s[st, i]) * LOG2E), 0.0)
-                    # (no thread still reads them from the last chunk: s_ready above needed that
-                    # chunk's vd_ready, which every thread gave after its last read)
                     T.sync_threads(BAR_DELTA, WG)  # eg1_s, er1_s written
+                    # Each element-wise step works in the fragment and only then goes to shared
+                    # memory in one copy (stmatrix): a loop that both reads shared memory and
+                    # stores to it reloads every per-row factor after each store (the compiler
+                    # cannot rule out aliasing), one load latency per element (H200: ~1.5k cycles
+                    # per step on the chain).
                     # v - exp(G) k h, zero past the chunk's end
                     for i, j in T.Parallel(C, V):
-                        wv_s[i, j] = T.if_then_else(i < L, T.cast(v_s[st, i, j], f32) - eg1_s[i] * x_f[i, j], 0.0)
+                        y_f[i, j] = T.if_then_else(i < L, T.cast(v_s[st, i, j], f32) - eg1_s[st, i] * x_f[i, j], 0.0)
+                    T.copy(y_f, wv_s)
                     T.fence_proxy_async()
                     T.sync_threads(BAR_DELTA, WG)  # wv_s written, for the wgmma
                     T.gemm(t_s[st, :, :], wv_s, x_f, clear_accum=True)
+                    # v' rows past the chunk's end are zero: there T diag(beta) has zero rows
                     T.barrier_wait(vn_free, (c % 2) ^ 1)
-                    for i, j in T.Parallel(C, V):
-                        vn_s[i, j] = T.if_then_else(i < L, x_f[i, j], 0.0)
+                    T.copy(x_f, vn_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(vn_ready)
-                    T.barrier_wait(vd_free, (c % 2) ^ 1)
                     for i, j in T.Parallel(C, V):
-                        vd_s[i, j] = x_f[i, j] * er1_s[i]
+                        y_f[i, j] = x_f[i, j] * er1_s[st, i]
+                    T.barrier_wait(vd_free, (c % 2) ^ 1)
+                    T.copy(y_f, vd_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(vd_ready)
                     T.barrier_arrive(empty[st])
@@ -449,9 +481,13 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
                     for i in T.Parallel(C):
                         eg2_s[i] = T.exp2(g_s[st, i] * LOG2E)
                     T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                    # Branch-free, so that the gate loads issue together: masked entries take
+                    # p = 0 and a clamped exponent (G_i - G_j <= 0 where i >= j; elsewhere it
+                    # could overflow, and inf * 0 is NaN).
                     for i, j in T.Parallel(C, C):
-                        p_s[i, j] = T.if_then_else(
-                            T.And(i >= j, j < L), p_f[i, j] * T.exp2((g_s[st, i] - g_s[st, j]) * LOG2E), 0.0)
+                        pb_f[i, j] = T.if_then_else(T.And(i >= j, j < L), p_f[i, j], 0.0) * T.exp2(
+                            T.min(g_s[st, i] - g_s[st, j], 0.0) * LOG2E)
+                    T.copy(pb_f, p_s)
                     T.barrier_wait(s_ready, c % 2)
                     T.gemm(q_s[st, :, :], S_s, o_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(s_free)
@@ -463,9 +499,13 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
                     T.gemm(p_s, vn_s, o_f)
                     T.barrier_arrive(vn_free)
                     if ci >= out_chunk:
-                        for i, j in T.Parallel(C, V):
-                            if i < L:
+                        if L == C:  # a full chunk stores without a branch per element
+                            for i, j in T.Parallel(C, V):
                                 o[cs + i, hv, j] = o_f[i, j] * scale
+                        else:
+                            for i, j in T.Parallel(C, V):
+                                if i < L:
+                                    o[cs + i, hv, j] = o_f[i, j] * scale
                     T.barrier_arrive(empty[st])
             else:
                 # ---------------- WG3: the producer

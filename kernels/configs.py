@@ -21,7 +21,9 @@ PREFILL_CONFIGS: dict = {
     # (sum 512 = 64K / 128 threads; a thread starts with 128). H200: every cell of the prefill
     # grid 1.14-2.8x faster than the earlier automatic producer/consumer split (2/8 1x32768
     # without AutoCP 4.42 -> 3.30 ms), e2e_bench/results/2026-11-21-nvidia-h200-prefill-rolesplit.md.
-    "fwd_role_nregs": (240, 120, 128, 24),
+    # The state's 248 (from 240) leave its chunk loop without spills once the checkpoint store's
+    # addresses stopped being hoisted (SASS: 0 local loads in the loop; at 240, 1).
+    "fwd_role_nregs": (248, 112, 128, 24),
 }
 
 # Decode step (qla_serving.kernels.decode).
