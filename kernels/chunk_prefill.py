@@ -132,6 +132,7 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             x_f = T.alloc_fragment((C, K), f32)
             sq = T.alloc_fragment((C,), f32)
             k_s = T.alloc_shared((C, K), dt)
+            q_s = T.alloc_shared((C, K), dt)
             g_s = T.alloc_shared((C,), f32)
             G_s = T.alloc_shared((C,), f32)
             b_s = T.alloc_shared((C,), f32)
@@ -150,47 +151,42 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             D_f = T.alloc_fragment((C, C), f32)
             col = T.alloc_local((BLK,), f32)
 
-            # ---- q (one block per q/k head writes it) and k: loaded, zero past the chunk's end,
-            # L2-normalised in fp32
-            # (squares first, then the values reloaded from L1/L2: one 64x128 fp32 fragment live
-            # instead of two keeps the kernel within 128 registers, four blocks per SM)
+            # ---- loads first, all in flight together: the gates (64 threads), k and q (bulk
+            # copies). Rows past the chunk's end are the next sequence's (or zeros past the
+            # batch): they are never written out, and in A they meet beta = 0 or the mask.
+            for i in T.Parallel(C):
+                g_s[i] = T.if_then_else(i < L, g[bos + i, hv], 0.0)
+                b_s[i] = T.if_then_else(i < L, T.cast(beta[bos + i, hv], f32), 0.0)
+            T.copy(k[bos : bos + C, hk, :], k_s)
+            if l2:
+                if hv % ratio == 0:
+                    T.copy(q[bos : bos + C, hk, :], q_s)
+            # inclusive cumsum of the gate inside the chunk (past the chunk's end g = 0: G stays flat)
+            T.cumsum(src=g_s, dst=G_s, dim=0)
+            tx = T.get_thread_binding()
+            if tx < C:
+                g_cum[ic, hv, tx] = G_s[tx]
+
+            # ---- q (one block per q/k head writes it) and k L2-normalised in fp32; k back into
+            # its tile. Loops either load shared memory or store to it, not both (below).
             if l2:
                 if hv % ratio == 0:
                     for i, d in T.Parallel(C, K):
-                        x_f[i, d] = T.if_then_else(
-                            i < L, T.cast(q[bos + i, hk, d], f32) * T.cast(q[bos + i, hk, d], f32), 0.0)
+                        x_f[i, d] = T.cast(q_s[i, d], f32) * T.cast(q_s[i, d], f32)
                     T.reduce_sum(x_f, sq, dim=1)
                     for i, d in T.Parallel(C, K):
                         if i < L:
-                            q_normed[bos + i, hk, d] = T.cast(q[bos + i, hk, d], f32) * T.rsqrt(sq[i] + L2NORM_EPS)
+                            q_normed[bos + i, hk, d] = T.cast(q_s[i, d], f32) * T.rsqrt(sq[i] + L2NORM_EPS)
                 for i, d in T.Parallel(C, K):
-                    x_f[i, d] = T.if_then_else(
-                        i < L, T.cast(k[bos + i, hk, d], f32) * T.cast(k[bos + i, hk, d], f32), 0.0)
+                    x_f[i, d] = T.cast(k_s[i, d], f32) * T.cast(k_s[i, d], f32)
                 T.reduce_sum(x_f, sq, dim=1)
                 for i, d in T.Parallel(C, K):
-                    x_f[i, d] = T.if_then_else(i < L, T.cast(k[bos + i, hk, d], f32), 0.0) * T.rsqrt(sq[i] + L2NORM_EPS)
-            else:
-                for i, d in T.Parallel(C, K):
-                    x_f[i, d] = T.if_then_else(i < L, T.cast(k[bos + i, hk, d], f32), 0.0)
-            T.copy(x_f, k_s)
-            if l2:
+                    x_f[i, d] = T.cast(k_s[i, d], f32) * T.rsqrt(sq[i] + L2NORM_EPS)
+                T.copy(x_f, k_s)
                 if hv % ratio == 0:
                     for i, d in T.Parallel(C, K):
                         if i < L:
                             k_normed[bos + i, hk, d] = k_s[i, d]
-            for i in T.Parallel(C):
-                g_s[i] = T.if_then_else(i < L, g[bos + i, hv], 0.0)
-                b_s[i] = T.if_then_else(i < L, T.cast(beta[bos + i, hv], f32), 0.0)
-            # inclusive cumsum of the gate inside the chunk: thread i sums in a register
-            tx = T.get_thread_binding()
-            if tx < C:
-                acc = T.alloc_var(f32)
-                acc = 0.0
-                for j in T.serial(C):
-                    if j <= tx:
-                        acc = acc + g_s[j]
-                G_s[tx] = acc
-                g_cum[ic, hv, tx] = acc  # past the chunk's end g = 0: G stays flat
 
             # ---- A = strict_lower(beta_i k_i.k_j exp(G_i - G_j))
             # Element-wise steps either only load shared memory (into a fragment) or only store
