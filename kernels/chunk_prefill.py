@@ -350,6 +350,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
             # writing an accumulator outside wgmma made ptxas serialise every wgmma of the kernel
             y_f = T.alloc_fragment((C, V), dt)
             pb_f = T.alloc_fragment((C, C), dt)
+            ob_f = T.alloc_fragment((C, V), dt)
+            o_s = T.alloc_shared((C, V), dt)  # a full chunk's output, for the bulk store
             first = T.alloc_var("int32")
             decay = T.alloc_var(f32)
             g_last = T.alloc_var(f32)
@@ -473,7 +475,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
                     cs = bos + ci * C
                     L = T.min(eos - cs, C)
                     T.barrier_wait(full[st], (c // 2) % 2)
-                    T.sync_threads(BAR_OUT, WG)  # every warp is done with eg2_s and p_s of the last chunk
+                    T.tma_store_wait()  # the last chunk's bulk store has read o_s (its issuing thread)
+                    T.sync_threads(BAR_OUT, WG)  # every warp is done with eg2_s, p_s and o_s of the last chunk
                     for i in T.Parallel(C):
                         eg2_s[i] = T.exp2(g_s[st, i] * LOG2E)
                     T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
@@ -495,14 +498,21 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
                     T.gemm(p_s, vn_s, o_f)
                     T.barrier_arrive(vn_free)
                     if ci >= out_chunk:
-                        if L == C:  # a full chunk stores without a branch per element
+                        if L == C:
+                            # a full chunk leaves by one bulk (TMA) store from shared memory: its
+                            # 64 x 128 per-thread stores took ~2k cycles of this warpgroup per chunk
                             for i, j in T.Parallel(C, V):
-                                o[cs + i, hv, j] = o_f[i, j] * scale
+                                ob_f[i, j] = o_f[i, j] * scale
+                            T.copy(ob_f, o_s)
+                            T.fence_proxy_async()
+                            T.sync_threads(BAR_OUT, WG)  # o_s written
+                            T.tma_copy(o_s, o[cs : cs + C, hv, :])
                         else:
                             for i, j in T.Parallel(C, V):
                                 if i < L:
                                     o[cs + i, hv, j] = o_f[i, j] * scale
                     T.barrier_arrive(empty[st])
+                T.tma_store_wait()
             else:
                 # ---------------- WG3: the producer
                 if SET_PRODUCER:
