@@ -1,0 +1,80 @@
+"""A/B of the prefill op (prep + chunk_fwd) between a git revision's kernels and the working tree's.
+
+    python scripts/trace/ab_time.py --base 58c49bc [--base-nregs 240,120,128,24] 16:64:8x4096 2:8:1x8192:nocp
+
+Same inputs, same plan, CUDA-event medians of 50 calls after 5; prints each time, the speed-up
+and the largest output difference. --compile-only fills TileLang's cache here. Measurement
+only: the benchmark of record is `qla-serving bench prefill`.
+"""
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import variants
+
+
+def main(argv):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--base-nregs", default=None, help="role registers of the base (its configs.py may differ)")
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("cells", nargs="+")
+    args = ap.parse_args(argv)
+    base = variants.load("qla_prefill_base", variants.baseline_source(args.base, args.base_nregs))
+    from qla_serving.kernels import chunk_prefill as head
+    if args.compile_only:
+        for cell in args.cells:
+            hqk, hv = (int(x) for x in cell.split(":")[:2])
+            base.warmup(hqk, hv)
+            head.warmup(hqk, hv)
+        return 0
+    import torch
+
+    from qla_serving.bench.prefill import K, batch_lens, make_inputs
+    from qla_serving.plan import plan_prefill
+
+    for cell in args.cells:
+        parts = cell.split(":")
+        hqk, hv, batch = int(parts[0]), int(parts[1]), parts[2]
+        nocp = len(parts) > 3 and parts[3] == "nocp"
+        lens = batch_lens(batch)
+        torch.manual_seed(0)
+        x = make_inputs(lens, hqk, hv)
+        plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=0 if nocp else None)
+        n = len(lens)
+        res = []
+        for m in (base, head):
+            m.warmup(hqk, hv)
+            pool = torch.zeros(n + 1, hv, 128, K, device="cuda")
+            idx = torch.arange(1, n + 1, device="cuda", dtype=torch.int32)
+            has = torch.ones(n, dtype=torch.bool, device="cuda")
+            out = torch.empty_like(x["v"])
+
+            f = functools.partial(m.chunk_gated_delta_rule_fwd, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                  scale=K**-0.5, plan=plan, state_pool=pool, state_indices=idx,
+                                  has_initial_state=has, use_qk_l2norm=True, out=out)
+            for _ in range(5):
+                f()
+            ts = []
+            for _ in range(50):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                f()
+                e1.record()
+                torch.cuda.synchronize()
+                ts.append(e0.elapsed_time(e1))
+            pool.zero_()
+            f()
+            torch.cuda.synchronize()
+            res.append((sorted(ts)[25], out.clone()))
+        (tb, ob), (th, oh) = res
+        print(f"{cell}: base {tb:.4f} ms, tree {th:.4f} ms, speed-up {tb / th:.3f}x, "
+              f"max |out diff| {(oh.float() - ob.float()).abs().max().item():.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,80 @@
+"""Where a prefill chunk's cycles go: clock64 timelines of chunk_fwd's roles and prep's phases.
+
+    python scripts/trace/prefill_timeline.py 16:64:8x4096 2:8:1x8192:nocp [--compile-only]
+
+Cells are HQK:HV:BATCH[:nocp] (BATCH as in the bench, e.g. 8x4096 or 24576+8192). For each
+cell: chunk_fwd's median cycles per chunk (the state role's chunk-to-chunk period, chunks 4..23
+of every work item) and each stamp's median offset from the chunk's start; prep's median
+cycles per block and per phase. Run on the GPU machine after scripts/gpu_stage.sh; JSON goes to
+$OUT/prefill-timeline.json when OUT is set. --compile-only fills TileLang's cache here.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import variants
+
+
+def main(argv):
+    compile_only = "--compile-only" in argv
+    cells = [a for a in argv if not a.startswith("--")]
+    mod = variants.load("qla_prefill_traced", variants.traced_source())
+    if compile_only:
+        for cell in cells:
+            hqk, hv = (int(x) for x in cell.split(":")[:2])
+            mod.warmup(hqk, hv)
+        return 0
+    import torch
+
+    from qla_serving.bench.prefill import K, batch_lens, make_inputs
+    from qla_serving.plan import plan_prefill
+
+    res = {}
+    for cell in cells:
+        parts = cell.split(":")
+        hqk, hv, batch = int(parts[0]), int(parts[1]), parts[2]
+        nocp = len(parts) > 3 and parts[3] == "nocp"
+        lens = batch_lens(batch)
+        torch.manual_seed(0)
+        x = make_inputs(lens, hqk, hv)
+        plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=0 if nocp else None)
+        nw, nc, n = plan.work_items.shape[0], plan.num_chunks, len(lens)
+        mod.TRACE["fwd"] = torch.zeros(nw * hv * mod.FWD_TC * mod.FWD_NSLOT, dtype=torch.int64, device="cuda")
+        mod.TRACE["prep"] = torch.zeros(nc * hv * mod.PREP_NSLOT, dtype=torch.int64, device="cuda")
+        pool = torch.zeros(n + 1, hv, 128, K, device="cuda")
+        idx = torch.arange(1, n + 1, device="cuda", dtype=torch.int32)
+        has = torch.ones(n, dtype=torch.bool, device="cuda")
+        out = torch.empty_like(x["v"])
+        mod.warmup(hqk, hv)
+        for _ in range(3):
+            mod.chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, plan=plan,
+                                           state_pool=pool, state_indices=idx, has_initial_state=has,
+                                           use_qk_l2norm=True, out=out)
+        torch.cuda.synchronize()
+        fwd = mod.TRACE["fwd"].view(nw * hv, mod.FWD_TC, mod.FWD_NSLOT)[:, 4:, :].cpu()
+        fwd = fwd[(fwd[:, :, 0] > 0).all(1)]
+        period = (fwd[:, 1:, 0] - fwd[:, :-1, 0]).double().median().item()
+        rel = (fwd - fwd[:, :, :1]).double()
+        stamps = {name: rel[:, :, s].median().item() for s, name in variants.FWD_NAMES.items() if (fwd[:, :, s] != 0).any()}
+        prep = mod.TRACE["prep"].view(nc * hv, mod.PREP_NSLOT)[:, :len(variants.PREP_NAMES)].double().cpu()
+        prel = prep - prep[:, :1]
+        phases = {name: prel[:, s].median().item() for s, name in enumerate(variants.PREP_NAMES)}
+        print(f"== {cell}: chunk_fwd {period:.0f} cycles per chunk ({fwd.shape[0]} blocks traced)")
+        for name, v in sorted(stamps.items(), key=lambda kv: kv[1]):
+            print(f"  {name:16s} {v:8.0f}")
+        print(f"   prep {phases['stored']:.0f} cycles per block")
+        prev = 0.0
+        for name, v in phases.items():
+            print(f"  {name:16s} {v:8.0f}  (+{v - prev:.0f})")
+            prev = v
+        res[cell] = {"chunk_fwd_cycles_per_chunk": period, "chunk_fwd_stamps": stamps, "prep_phases": phases}
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "prefill-timeline.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

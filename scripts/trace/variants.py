@@ -1,0 +1,169 @@
+"""Variants of kernels/chunk_prefill.py for measurement only: clock64 timelines and baselines.
+
+A variant is the kernel module's source with text inserted at anchors (statements of the kernel
+bodies), imported from a temporary file. The stamps write ``clock64()`` of one thread per
+warpgroup (``chunk_fwd``) or per block (``prep``) into an extra int64 tensor; the median
+intervals between stamps say where a chunk's or a block's cycles go. Stamps are scheduled by
+ptxas like any other instruction: a stamp right after a wgmma may be read before the wgmma's
+wait, so read intervals across a product as "issued .. next stamp".
+
+If an anchor is gone (the kernel changed), ``AnchorError`` names it: update the table here.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KERNEL = os.path.join(ROOT, "kernels", "chunk_prefill.py")
+
+# chunk_fwd: (anchor, slot, occurrence, before). Slots 0-7 state role, 8-15 and 25 delta role,
+# 16-23 and 26-31 output role, 24 producer.
+FWD_STAMPS = [
+    ("T.barrier_wait(full[st], (c // 2) % 2)", 0, 1, False), ("T.barrier_wait(s_free, (c % 2) ^ 1)", 1, 1, False),
+    ("T.copy(S_f, S_s)", 6, 1, False), ("T.barrier_arrive(s_ready)", 2, 1, False),
+    ("T.barrier_wait(vd_ready, c % 2)", 3, 1, False), ("T.gemm(vd_s, k_s[st, :, :], S_f", 4, 1, False),
+    ("T.barrier_arrive(vd_free)", 27, 1, False), ("T.barrier_arrive(empty[st])", 5, 1, False),
+    ("T.barrier_wait(s_ready, c % 2)", 8, 1, False), ("T.gemm(k_s[st, :, :], S_s, x_f", 9, 1, False),
+    ("T.sync_threads(BAR_DELTA, WG)  # wv_s written", 10, 1, False), ("T.gemm(t_s[st, :, :], wv_s, x_f", 11, 1, False),
+    ("T.barrier_wait(vn_free, (c % 2) ^ 1)", 12, 1, False), ("T.barrier_arrive(vn_ready)", 13, 1, False),
+    ("T.barrier_wait(vd_free, (c % 2) ^ 1)", 15, 1, False), ("T.copy(y_f, vd_s)", 25, 1, False),
+    ("T.barrier_arrive(vd_ready)", 14, 1, False),
+    ("T.barrier_wait(full[st], (c // 2) % 2)", 16, 3, False), ("T.tma_store_wait()  # the last chunk", 26, 1, False),
+    ("T.sync_threads(BAR_OUT, WG)  # every warp is done", 28, 1, False),
+    ("T.gemm(q_s[st, :, :], k_s[st, :, :], p_f", 29, 1, False), ("T.barrier_wait(s_ready, c % 2)", 17, 2, True),
+    ("T.barrier_wait(s_ready, c % 2)", 18, 2, False), ("T.gemm(q_s[st, :, :], S_s, o_f", 19, 1, False),
+    ("T.barrier_wait(vn_ready, c % 2)", 20, 1, False), ("T.gemm(p_s, vn_s, o_f)", 21, 1, False),
+    ("T.copy(ob_f, o_s)", 31, 1, False), ("T.sync_threads(BAR_OUT, WG)  # o_s written", 30, 1, False),
+    ("T.barrier_arrive(empty[st])", 23, 3, True), ("T.barrier_arrive(empty[st])", 22, 3, False),
+    ("T.barrier_wait(empty[st], ((c // 2) % 2) ^ 1)", 24, 1, False),
+]
+FWD_NAMES = {0: "S full", 1: "S s_free", 6: "S copied", 2: "S published", 3: "S vd_ready", 4: "S update issued",
+             27: "S vd_free", 5: "S end", 8: "D s_ready", 9: "D kS issued", 10: "D wv", 11: "D Tgemm issued",
+             12: "D vn_free", 13: "D vn", 15: "D vd_free", 25: "D vd copied", 14: "D vd", 16: "O full",
+             26: "O store read", 28: "O bar", 29: "O qk issued", 17: "O P", 18: "O s_ready", 19: "O qS issued",
+             20: "O vn_ready", 21: "O Pv issued", 31: "O o_s copied", 30: "O o_s bar", 23: "O stored", 22: "O end",
+             24: "P empty"}
+FWD_TC, FWD_NSLOT = 24, 32  # chunks traced per work item, slots per chunk
+
+# prep: (anchor, slot, before, indent)
+PREP_STAMPS = [
+    ("x_f = T.alloc_fragment((C, K), f32)", 0, True, " " * 12),
+    ("T.copy(k[bos : bos + C, hk, :], k_s)", 1, False, None), ("T.cumsum(src=g_s, dst=G_s, dim=0)", 2, False, None),
+    ("# ---- q (one block per q/k head", 3, True, None), ("T.copy(x_f, k_s)", 4, False, None),
+    ("# ---- A = strict_lower", 5, True, None), ("T.gemm(k_s, k_s, A_f, transpose_B=True, clear_accum=True)", 6, False, None),
+    ("# ---- inverse of the 16x16 diagonal blocks", 7, True, None), ("# ---- merge: (I + A)", 8, True, None),
+    ("T.gemm(Dinv_s, Bt_s, P_f, transpose_B=True, clear_accum=True)  # P", 9, False, None),
+    ("T.gemm(X_s, Bt_s, Q_f, transpose_B=True, clear_accum=True)  # P^2", 10, False, None),
+    ("T.gemm(X_s, Bt_s, Q_f, transpose_B=True)  # R = Q + Q P^2", 11, False, None),
+    ("T.gemm(X_s, Bt_s, P_f, transpose_B=True, clear_accum=True)  # T = R D^-1", 12, False, None),
+]
+PREP_NAMES = ["start", "k loaded", "cumsum", "gates stored", "k normalised", "k stored", "kkT issued", "A stored",
+              "Dinv", "P issued", "P^2 issued", "R issued", "T issued", "stored"]
+PREP_NSLOT = 16
+
+
+class AnchorError(LookupError):
+    pass
+
+
+def _absolute_imports(src: str) -> str:
+    return (src.replace("from ..ops.gated_delta_rule.context_parallel import",
+                        "from qla_serving.ops.gated_delta_rule.context_parallel import")
+            .replace("from .configs import PREFILL_CONFIGS", "from qla_serving.kernels.configs import PREFILL_CONFIGS"))
+
+
+def _insert(body: str, anchor: str, line: str, nth: int = 1, before: bool = False, indent: str | None = None) -> str:
+    i = -1
+    for _ in range(nth):
+        i = body.find(anchor, i + 1)
+        if i < 0:
+            raise AnchorError(f"anchor not found (occurrence {nth}): {anchor!r}")
+    ls = body.rindex("\n", 0, i) + 1
+    ind = indent if indent is not None else body[ls:i]
+    if before:
+        pos = ls
+    else:  # after the statement, which may continue over parenthesised lines
+        depth, j = 0, ls
+        while True:
+            ch = body[j]
+            depth += ch in "([" and 1 or ch in ")]" and -1 or 0
+            if ch == "\n" and depth == 0:
+                pos = j + 1
+                break
+            j += 1
+    return body[:pos] + f"{ind}{line}\n" + body[pos:]
+
+
+def traced_source(src: str | None = None) -> str:
+    """The kernel module with both kernels stamped; ``TRACE['fwd']`` / ``TRACE['prep']`` are the buffers."""
+    if src is None:
+        with open(KERNEL) as f:
+            src = f.read()
+    src = _absolute_imports(src)
+    src = src.replace("import threading\n", f"import threading\nTRACE = {{}}\nFWD_TC, FWD_NSLOT, PREP_NSLOT = {FWD_TC}, {FWD_NSLOT}, {PREP_NSLOT}\n", 1)
+    a, b = src.index("def _build_prep"), src.index("def _build_chunk_fwd")
+    c = src.index("# Compilation and cache")
+    prep, fwd = src[a:b], src[b:c]
+    prep = prep.replace("        k_normed: T.Tensor((NT, H, K), dt),\n    ):",
+                        "        k_normed: T.Tensor((NT, H, K), dt),\n        trace: T.Tensor((NTR,), \"int64\"),\n    ):")
+    prep = prep.replace('    BLK = 16', '    NTR = T.dynamic("ntrace", "int64")\n    BLK = 16', 1)
+    prep = prep.replace("    @T.prim_func\n", '''    @T.macro
+    def stamp(trace, ic, hv, slot):
+        if T.get_thread_binding() == 0:
+            trace[(T.cast(ic, "int64") * HV + hv) * PREP_NSLOT + slot] = T.call_extern("int64", "clock64")
+
+    @T.prim_func
+''', 1)
+    for anchor, slot, before, indent in PREP_STAMPS:
+        prep = _insert(prep, anchor, f"stamp(trace, ic, hv, {slot})", before=before, indent=indent)
+    prep = _insert(prep, "t_beta[ic, hv, i, j] = P_f[i, j] * b_s[j]", f"stamp(trace, ic, hv, {len(PREP_NAMES) - 1})",
+                   indent=" " * 12)
+    fwd = fwd.replace("        o: T.Tensor((NT, HV, V), dt),\n    ):",
+                      "        o: T.Tensor((NT, HV, V), dt),\n        trace: T.Tensor((NTR,), \"int64\"),\n    ):")
+    fwd = fwd.replace('    NCK = T.dynamic("num_ckpt_rows", "int64")\n',
+                      '    NCK = T.dynamic("num_ckpt_rows", "int64")\n    NTR = T.dynamic("ntrace", "int64")\n')
+    fwd = fwd.replace("    @T.prim_func\n", '''    @T.macro
+    def stamp(trace, wi, hv, c, slot):
+        if c < FWD_TC:
+            if T.get_thread_binding() % WG == 0:
+                trace[((T.cast(wi, "int64") * HV + hv) * FWD_TC + c) * FWD_NSLOT + slot] = T.call_extern("int64", "clock64")
+
+    @T.prim_func
+''', 1)
+    for anchor, slot, nth, before in FWD_STAMPS:
+        try:
+            fwd = _insert(fwd, anchor, f"stamp(trace, wi, hv, c, {slot})", nth=nth, before=before)
+        except AnchorError as e:
+            print(f"variants: slot {slot} skipped: {e}", file=sys.stderr)
+    tail = src[c:]
+    tail = tail.replace("prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, q_normed, k_normed)",
+                        "prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, q_normed, k_normed, TRACE['prep'])")
+    tail = tail.replace("float(LOG_DECAY_THRESHOLD), float(scale), out)", "float(LOG_DECAY_THRESHOLD), float(scale), out, TRACE['fwd'])")
+    return src[:a] + prep + fwd + tail
+
+
+def baseline_source(rev: str, nregs: str | None = None) -> str:
+    """The kernel module as of git revision ``rev``; ``nregs`` ("248,112,128,24") pins its role registers."""
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:kernels/chunk_prefill.py"], check=True,
+                         capture_output=True, text=True).stdout
+    src = _absolute_imports(src)
+    if nregs:
+        src = src.replace("from qla_serving.kernels.configs import PREFILL_CONFIGS",
+                          "from qla_serving.kernels.configs import PREFILL_CONFIGS as _PC\n"
+                          f"PREFILL_CONFIGS = dict(_PC, fwd_role_nregs=({nregs}))")
+    return src
+
+
+def load(name: str, src: str):
+    """Import ``src`` as module ``name`` (TileLang's disk cache keys on the generated kernels)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="qla-variant-"), f"{name}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
