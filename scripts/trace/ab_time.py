@@ -2,6 +2,9 @@
 
     python scripts/trace/ab_time.py --base 58c49bc [--base-nregs 240,120,128,24] 16:64:8x4096 2:8:1x8192:nocp
 
+--base is a git revision, or a file with that revision's kernels/chunk_prefill.py (the GPU
+machine's copy of the tree has no history: `git show REV:kernels/chunk_prefill.py > f.py`).
+
 Same inputs, same plan, CUDA-event medians of 50 calls after 5; prints each time, the speed-up
 and the largest output difference. --compile-only fills TileLang's cache here. Measurement
 only: the benchmark of record is `qla-serving bench prefill`.

@@ -64,7 +64,7 @@ def main(argv):
         print(f"== {cell}: chunk_fwd {period:.0f} cycles per chunk ({fwd.shape[0]} blocks traced)")
         for name, v in sorted(stamps.items(), key=lambda kv: kv[1]):
             print(f"  {name:16s} {v:8.0f}")
-        print(f"   prep {phases['stored']:.0f} cycles per block")
+        print(f"   prep {phases['end']:.0f} cycles per block")
         prev = 0.0
         for name, v in phases.items():
             print(f"  {name:16s} {v:8.0f}  (+{v - prev:.0f})")
