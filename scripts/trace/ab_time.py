@@ -11,7 +11,6 @@ only: the benchmark of record is `qla-serving bench prefill`.
 """
 
 import argparse
-import functools
 import os
 import sys
 
@@ -36,29 +35,12 @@ def main(argv):
         return 0
     import torch
 
-    from qla_serving.bench.prefill import K, batch_lens, make_inputs
-    from qla_serving.plan import plan_prefill
-
     for cell in args.cells:
-        parts = cell.split(":")
-        hqk, hv, batch = int(parts[0]), int(parts[1]), parts[2]
-        nocp = len(parts) > 3 and parts[3] == "nocp"
-        lens = batch_lens(batch)
-        torch.manual_seed(0)
-        x = make_inputs(lens, hqk, hv)
-        plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=0 if nocp else None)
-        n = len(lens)
+        hqk, hv, x, plan = variants.cell_setup(cell)
         res = []
         for m in (base, head):
             m.warmup(hqk, hv)
-            pool = torch.zeros(n + 1, hv, 128, K, device="cuda")
-            idx = torch.arange(1, n + 1, device="cuda", dtype=torch.int32)
-            has = torch.ones(n, dtype=torch.bool, device="cuda")
-            out = torch.empty_like(x["v"])
-
-            f = functools.partial(m.chunk_gated_delta_rule_fwd, x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                  scale=K**-0.5, plan=plan, state_pool=pool, state_indices=idx,
-                                  has_initial_state=has, use_qk_l2norm=True, out=out)
+            f, out, pool = variants.op_call(m, x, plan, hv)
             for _ in range(5):
                 f()
             ts = []

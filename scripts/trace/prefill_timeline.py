@@ -28,30 +28,16 @@ def main(argv):
         return 0
     import torch
 
-    from qla_serving.bench.prefill import K, batch_lens, make_inputs
-    from qla_serving.plan import plan_prefill
-
     res = {}
     for cell in cells:
-        parts = cell.split(":")
-        hqk, hv, batch = int(parts[0]), int(parts[1]), parts[2]
-        nocp = len(parts) > 3 and parts[3] == "nocp"
-        lens = batch_lens(batch)
-        torch.manual_seed(0)
-        x = make_inputs(lens, hqk, hv)
-        plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=0 if nocp else None)
-        nw, nc, n = plan.work_items.shape[0], plan.num_chunks, len(lens)
+        hqk, hv, x, plan = variants.cell_setup(cell)
+        nw, nc = plan.work_items.shape[0], plan.num_chunks
         mod.TRACE["fwd"] = torch.zeros(nw * hv * mod.FWD_TC * mod.FWD_NSLOT, dtype=torch.int64, device="cuda")
         mod.TRACE["prep"] = torch.zeros(nc * hv * mod.PREP_NSLOT, dtype=torch.int64, device="cuda")
-        pool = torch.zeros(n + 1, hv, 128, K, device="cuda")
-        idx = torch.arange(1, n + 1, device="cuda", dtype=torch.int32)
-        has = torch.ones(n, dtype=torch.bool, device="cuda")
-        out = torch.empty_like(x["v"])
         mod.warmup(hqk, hv)
+        call, _, _ = variants.op_call(mod, x, plan, hv)
         for _ in range(3):
-            mod.chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, plan=plan,
-                                           state_pool=pool, state_indices=idx, has_initial_state=has,
-                                           use_qk_l2norm=True, out=out)
+            call()
         torch.cuda.synchronize()
         fwd = mod.TRACE["fwd"].view(nw * hv, mod.FWD_TC, mod.FWD_NSLOT)[:, 4:, :].cpu()
         fwd = fwd[(fwd[:, :, 0] > 0).all(1)]

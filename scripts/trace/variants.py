@@ -102,6 +102,52 @@ def _insert(body: str, anchor: str, line: str, nth: int = 1, before: bool = Fals
     return body[:pos] + f"{ind}{line}\n" + body[pos:]
 
 
+def _stamped(body: str, macro: str, stamps, call: str) -> str:
+    """``body`` (one kernel builder) with the stamp macro before its prim_func and a stamp call
+    at each (anchor, slot, occurrence, before, indent); a missing anchor skips its stamp."""
+    body = body.replace("    @T.prim_func\n", macro + "\n    @T.prim_func\n", 1)
+    for anchor, slot, nth, before, indent in stamps:
+        try:
+            body = _insert(body, anchor, call.format(slot), nth=nth, before=before, indent=indent)
+        except AnchorError as e:
+            print(f"variants: stamp {slot} skipped: {e}", file=sys.stderr)
+    return body
+
+
+def cell_setup(cell: str):
+    """``HQK:HV:BATCH[:nocp]`` -> (hqk, hv, inputs, plan): the bench's inputs (seed 0) and the
+    planner's plan for them (AutoCP off with ``nocp``)."""
+    import torch
+
+    from qla_serving.bench.prefill import batch_lens, make_inputs
+    from qla_serving.plan import plan_prefill
+
+    parts = cell.split(":")
+    hqk, hv, batch = int(parts[0]), int(parts[1]), parts[2]
+    nocp = len(parts) > 3 and parts[3] == "nocp"
+    torch.manual_seed(0)
+    x = make_inputs(batch_lens(batch), hqk, hv)
+    plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=0 if nocp else None)
+    return hqk, hv, x, plan
+
+
+def op_call(mod, x, plan, hv: int):
+    """``mod``'s prefill op on these inputs, in place on a fresh pool: (call, out, pool)."""
+    import functools
+
+    import torch
+
+    n, k = plan.num_seqs, x["q"].shape[-1]
+    pool = torch.zeros(n + 1, hv, x["v"].shape[-1], k, device="cuda")
+    out = torch.empty_like(x["v"])
+    call = functools.partial(mod.chunk_gated_delta_rule_fwd, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                             scale=k**-0.5, plan=plan, state_pool=pool,
+                             state_indices=torch.arange(1, n + 1, device="cuda", dtype=torch.int32),
+                             has_initial_state=torch.ones(n, dtype=torch.bool, device="cuda"),
+                             use_qk_l2norm=True, out=out)
+    return call, out, pool
+
+
 def traced_source(src: str | None = None) -> str:
     """The kernel module with both kernels stamped; ``TRACE['fwd']`` / ``TRACE['prep']`` are the buffers."""
     if src is None:
@@ -115,35 +161,21 @@ def traced_source(src: str | None = None) -> str:
     prep = prep.replace("        k_normed: T.Tensor((NT, H, K), dt),\n    ):",
                         "        k_normed: T.Tensor((NT, H, K), dt),\n        trace: T.Tensor((NTR,), \"int64\"),\n    ):")
     prep = prep.replace('    BLK = 16', '    NTR = T.dynamic("ntrace", "int64")\n    BLK = 16', 1)
-    prep = prep.replace("    @T.prim_func\n", '''    @T.macro
+    prep = _stamped(prep, '''    @T.macro
     def stamp(trace, ic, hv, slot):
         if T.get_thread_binding() == 0:
             trace[(T.cast(ic, "int64") * HV + hv) * PREP_NSLOT + slot] = T.call_extern("int64", "clock64")
-
-    @T.prim_func
-''', 1)
-    for anchor, slot, before, indent in PREP_STAMPS:
-        try:
-            prep = _insert(prep, anchor, f"stamp(trace, ic, hv, {slot})", before=before, indent=indent)
-        except AnchorError as e:
-            print(f"variants: prep slot {slot} skipped: {e}", file=sys.stderr)
+''', [(a, s, 1, b, i) for a, s, b, i in PREP_STAMPS], "stamp(trace, ic, hv, {})")
     fwd = fwd.replace("        o: T.Tensor((NT, HV, V), dt),\n    ):",
                       "        o: T.Tensor((NT, HV, V), dt),\n        trace: T.Tensor((NTR,), \"int64\"),\n    ):")
     fwd = fwd.replace('    NCK = T.dynamic("num_ckpt_rows", "int64")\n',
                       '    NCK = T.dynamic("num_ckpt_rows", "int64")\n    NTR = T.dynamic("ntrace", "int64")\n')
-    fwd = fwd.replace("    @T.prim_func\n", '''    @T.macro
+    fwd = _stamped(fwd, '''    @T.macro
     def stamp(trace, wi, hv, c, slot):
         if c < FWD_TC:
             if T.get_thread_binding() % WG == 0:
                 trace[((T.cast(wi, "int64") * HV + hv) * FWD_TC + c) * FWD_NSLOT + slot] = T.call_extern("int64", "clock64")
-
-    @T.prim_func
-''', 1)
-    for anchor, slot, nth, before in FWD_STAMPS:
-        try:
-            fwd = _insert(fwd, anchor, f"stamp(trace, wi, hv, c, {slot})", nth=nth, before=before)
-        except AnchorError as e:
-            print(f"variants: slot {slot} skipped: {e}", file=sys.stderr)
+''', [(a, s, n, b, None) for a, s, n, b in FWD_STAMPS], "stamp(trace, wi, hv, c, {})")
     tail = src[c:]
     tail = tail.replace("prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, q_normed, k_normed)",
                         "prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, q_normed, k_normed, TRACE['prep'])")
