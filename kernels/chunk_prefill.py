@@ -245,7 +245,7 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
     return prep
 
 
-def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
+def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
     """``chunk_fwd``: the serial pass, the chunk's work split by role across warpgroups.
 
     Four warpgroups, one block per (value head, work item), the whole V = 128 per block:
@@ -255,7 +255,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
     * WG1 — the delta values: ``X = k h``, ``v' = T diag(beta) (v - exp(G) X)``, publishes
       ``v'`` (for WG2) and ``v_d = v' exp(G_last - G)`` (for WG0).
     * WG2 — the output: ``P = mask(q k^T exp(G_i - G_j))`` (needs no state, so it runs
-      while WG0/WG1 work), ``o = exp(G) q h + P v'``.
+      while WG0/WG1 work), ``o = exp(G) q h + P v'``; a full chunk's ``o`` leaves by one TMA
+      store from shared memory, a partial one by masked per-thread stores.
     * WG3 — the producer: copies chunk c + 1's q, k, v, ``T diag(beta)`` and gates into the
       other stage while the others work on chunk c.
 
@@ -265,7 +266,9 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(240, 120, 128, 24)):
     memory, and TileLang's automatic placement is off for this kernel (``_kernel_set``). That
     pass cannot tell the merged shared-memory buffers apart and put a barrier inside every
     unrolled loop that reads one tile and writes another, 32 per loop, each serialising a
-    shared load (H200: chunk_fwd 1.58 -> 1.30 ms at 16/64 heads 8x4096).
+    shared load (H200: chunk_fwd 1.58 -> 1.30 ms at 16/64 heads 8x4096). Element-wise steps
+    load shared memory into fragments or store fragments to it, never both in one loop, and
+    never write a wgmma accumulator (docs/prefill-performance.md says why).
     """
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
