@@ -86,7 +86,7 @@ def _insert(body: str, anchor: str, line: str, nth: int = 1, before: bool = Fals
         i = body.find(anchor, i + 1)
         if i < 0:
             raise AnchorError(f"anchor not found (occurrence {nth}): {anchor!r}")
-    ls = body.rindex("\n", 0, i) + 1
+    ls = body.rfind("\n", 0, i) + 1  # 0 on the first line
     ind = indent if indent is not None else body[ls:i]
     if before:
         pos = ls

@@ -1,0 +1,63 @@
+"""scripts/trace/variants.py against the real kernel source: every stamp finds its anchor.
+
+The stamped kernels only exist on the GPU machine, so a kernel edit that moves or renames an
+anchor would otherwise surface there as a silently missing stamp. These tests read the source
+and the transformed source as text (and parse them); no TileLang or GPU needed.
+"""
+
+import ast
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("trace_variants", ROOT / "scripts" / "trace" / "variants.py")
+variants = importlib.util.module_from_spec(spec)
+sys.modules["trace_variants"] = variants
+spec.loader.exec_module(variants)
+
+
+def _slots(src, pattern):
+    return sorted(int(s) for s in re.findall(pattern, src))
+
+
+def test_every_stamp_lands_in_the_current_kernels(capsys):
+    src = variants.traced_source()
+    assert "skipped" not in capsys.readouterr().err
+    ast.parse(src)
+    fwd = _slots(src, r"stamp\(trace, wi, hv, c, (\d+)\)")
+    prep = _slots(src, r"stamp\(trace, ic, hv, (\d+)\)")
+    assert fwd == sorted(slot for _, slot, _, _ in variants.FWD_STAMPS)
+    assert sorted(variants.FWD_NAMES) == sorted(set(fwd))
+    assert prep == list(range(len(variants.PREP_NAMES)))
+    # both kernels take the trace buffer, and the launcher passes one to each
+    assert src.count('trace: T.Tensor((NTR,), "int64")') == 2
+    assert "TRACE['prep'])" in src and "TRACE['fwd'])" in src
+
+
+def test_a_missing_anchor_is_named():
+    with pytest.raises(variants.AnchorError, match="no such statement"):
+        variants._insert("a = 1\nb = 2\n", "no such statement", "stamp()")
+
+
+def test_a_stamp_after_a_multiline_statement_goes_after_its_last_line():
+    body = "    x = f(1,\n          2)\n    y = 3\n"
+    out = variants._insert(body, "x = f(1,", "stamp()")
+    assert out == "    x = f(1,\n          2)\n    stamp()\n    y = 3\n"
+
+
+def test_the_baseline_is_the_revision_s_source_with_absolute_imports(tmp_path):
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, check=False).returncode:
+        pytest.skip("not a git checkout")
+    src = variants.baseline_source("HEAD", "248,112,128,24")
+    assert "from ..ops" not in src and "from .configs" not in src
+    assert "fwd_role_nregs=(248,112,128,24)" in src
+    ast.parse(src)
+    saved = tmp_path / "base.py"
+    saved.write_text(subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:kernels/chunk_prefill.py"],
+                                    capture_output=True, text=True, check=True).stdout)
+    assert variants.baseline_source(str(saved)) == variants.baseline_source("HEAD")
