@@ -29,11 +29,13 @@ def main(argv):
     from qla_serving.kernels import chunk_prefill as head
     if args.compile_only:
         for cell in args.cells:
-            hqk, hv = (int(x) for x in cell.split(":")[:2])
+            hqk, hv = variants.cell_heads(cell)
             base.warmup(hqk, hv)
             head.warmup(hqk, hv)
         return 0
     import torch
+
+    from qla_serving.bench.common import median_ms
 
     for cell in args.cells:
         hqk, hv, x, plan = variants.cell_setup(cell)
@@ -41,20 +43,11 @@ def main(argv):
         for m in (base, head):
             m.warmup(hqk, hv)
             f, out, pool = variants.op_call(m, x, plan, hv)
-            for _ in range(5):
-                f()
-            ts = []
-            for _ in range(50):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                f()
-                e1.record()
-                torch.cuda.synchronize()
-                ts.append(e0.elapsed_time(e1))
-            pool.zero_()
+            ms = median_ms(f, warmup=5, iters=50)
+            pool.zero_()  # the outputs compared come from one call on a zero initial state
             f()
             torch.cuda.synchronize()
-            res.append((sorted(ts)[25], out.clone()))
+            res.append((ms, out.clone()))
         (tb, ob), (th, oh) = res
         print(f"{cell}: base {tb:.4f} ms, tree {th:.4f} ms, speed-up {tb / th:.3f}x, "
               f"max |out diff| {(oh.float() - ob.float()).abs().max().item():.2e}")

@@ -23,8 +23,7 @@ def main(argv):
     mod = variants.load("qla_prefill_traced", variants.traced_source())
     if compile_only:
         for cell in cells:
-            hqk, hv = (int(x) for x in cell.split(":")[:2])
-            mod.warmup(hqk, hv)
+            mod.warmup(*variants.cell_heads(cell))
         return 0
     import torch
 

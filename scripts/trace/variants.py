@@ -114,6 +114,12 @@ def _stamped(body: str, macro: str, stamps, call: str) -> str:
     return body
 
 
+def cell_heads(cell: str) -> tuple[int, int]:
+    """``HQK:HV[:...]`` -> (hqk, hv)."""
+    hqk, hv = cell.split(":")[:2]
+    return int(hqk), int(hv)
+
+
 def cell_setup(cell: str):
     """``HQK:HV:BATCH[:nocp]`` -> (hqk, hv, inputs, plan): the bench's inputs (seed 0) and the
     planner's plan for them (AutoCP off with ``nocp``)."""
@@ -122,9 +128,9 @@ def cell_setup(cell: str):
     from qla_serving.bench.prefill import batch_lens, make_inputs
     from qla_serving.plan import plan_prefill
 
+    hqk, hv = cell_heads(cell)
     parts = cell.split(":")
-    hqk, hv, batch = int(parts[0]), int(parts[1]), parts[2]
-    nocp = len(parts) > 3 and parts[3] == "nocp"
+    batch, nocp = parts[2], len(parts) > 3 and parts[3] == "nocp"
     torch.manual_seed(0)
     x = make_inputs(batch_lens(batch), hqk, hv)
     plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=0 if nocp else None)
