@@ -101,10 +101,9 @@ def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int
     return max(longest, total * num_v_heads / sm_count) + longest / 2
 
 
-def _kernel_v_blocks() -> int:
-    """Blocks per (work item, value head) of the fused prefill kernel: one (the whole V = 128
-    in one block, kernels/chunk_prefill.py)."""
-    return 1
+# Blocks per (work item, value head) of chunk_fwd: one, the whole V = 128 in one block
+# (kernels/chunk_prefill.py).
+KERNEL_V_BLOCKS = 1
 
 
 def plan_context_parallel(
@@ -134,7 +133,7 @@ def plan_context_parallel(
         seq_lens: token count of each sequence.
         num_v_heads: value heads on this GPU (after TP sharding).
         sm_count: multiprocessors of the GPU.
-        v_blocks_per_head: blocks per (item, head); default: the fused kernel's V slices.
+        v_blocks_per_head: blocks per (item, head); default: the kernel's (``KERNEL_V_BLOCKS``).
         min_cp_tokens: only sequences at least this long are split.
         min_segment_tokens: shortest segment (bounds the warm-up overhead to W / segment).
         warmup_tokens: warm-up window ``W``.
@@ -150,7 +149,7 @@ def plan_context_parallel(
         chunks = [-(-L // CHUNK_SIZE) for L in seq_lens]
         if not chunks or max(chunks) * CHUNK_SIZE < min_cp_tokens:
             return None
-        blocks = num_v_heads * (_kernel_v_blocks() if v_blocks_per_head is None else v_blocks_per_head)
+        blocks = num_v_heads * (KERNEL_V_BLOCKS if v_blocks_per_head is None else v_blocks_per_head)
         warm, min_cp, min_seg = warmup_tokens // CHUNK_SIZE, min_cp_tokens // CHUNK_SIZE, min_segment_tokens // CHUNK_SIZE
         # Only sequences of at least min_cp chunks can be split; the rest weigh the same in
         # every candidate (a batch may hold hundreds of them: summarised once, not per candidate).
