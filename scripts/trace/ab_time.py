@@ -6,7 +6,7 @@
 machine's copy of the tree has no history: `git show REV:kernels/chunk_prefill.py > f.py`).
 
 Same inputs, same plan, CUDA-event medians of 50 calls after 5; prints each time, the speed-up
-and the largest output difference. --compile-only fills TileLang's cache here. Measurement
+and the largest output difference (--kernels: each kernel's median too, `prep` and `chunk_fwd`). --compile-only fills TileLang's cache here. Measurement
 only: the benchmark of record is `qla-serving bench prefill`.
 """
 
@@ -18,11 +18,41 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import variants
 
 
+def kernel_medians(mod, call, x, pool, iters=30) -> str:
+    """Median CUDA-event time of each of ``mod``'s kernels over ``iters`` calls of ``call``."""
+    import torch
+
+    cfg = mod.static_config(x["q"], x["v"], x["beta"], pool, True)
+    kernels = mod._kernel_set(cfg)
+    names = ("prep", "chunk_fwd")
+    events = {n: [] for n in names}
+
+    def timed(name, kernel):
+        def run(*a):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            kernel(*a)
+            e.record()
+            events[name].append((s, e))
+        return run
+
+    mod._kernels[cfg] = tuple(timed(n, k) for n, k in zip(names, kernels))
+    try:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    finally:
+        mod._kernels[cfg] = kernels
+    med = {n: sorted(s.elapsed_time(e) for s, e in ev)[len(ev) // 2] for n, ev in events.items()}
+    return ", ".join(f"{n} {t:.4f}" for n, t in med.items())
+
+
 def main(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True)
     ap.add_argument("--base-nregs", default=None, help="role registers of the base (its configs.py may differ)")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--kernels", action="store_true", help="also each kernel's median time")
     ap.add_argument("cells", nargs="+")
     args = ap.parse_args(argv)
     base = variants.load("qla_prefill_base", variants.baseline_source(args.base, args.base_nregs))
@@ -47,10 +77,11 @@ def main(argv):
             pool.zero_()  # the outputs compared come from one call on a zero initial state
             f()
             torch.cuda.synchronize()
-            res.append((ms, out.clone()))
-        (tb, ob), (th, oh) = res
+            res.append((ms, out.clone(), kernel_medians(m, f, x, pool) if args.kernels else ""))
+        (tb, ob, kb), (th, oh, kh) = res
         print(f"{cell}: base {tb:.4f} ms, tree {th:.4f} ms, speed-up {tb / th:.3f}x, "
-              f"max |out diff| {(oh.float() - ob.float()).abs().max().item():.2e}")
+              f"max |out diff| {(oh.float() - ob.float()).abs().max().item():.2e}"
+              + (f"; base {kb}; tree {kh}" if args.kernels else ""))
     return 0
 
 
