@@ -130,13 +130,13 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             bos = cu_seqlens[seq] + chunk_indices[ic, 1] * C
             L = T.min(cu_seqlens[seq + 1] - bos, C)
 
-            x_f = T.alloc_fragment((C, K), f32)
-            sq = T.alloc_fragment((C,), f32)
             k_s = T.alloc_shared((C, K), dt)
             q_s = T.alloc_shared((C, K), dt)
             g_s = T.alloc_shared((C,), f32)
             G_s = T.alloc_shared((C,), f32)
             b_s = T.alloc_shared((C,), f32)
+            rk_s = T.alloc_shared((C,), f32)  # 1 / |k_i| (1 without the L2 norm)
+            rq_s = T.alloc_shared((C,), f32)  # 1 / |q_i|
             A_f = T.alloc_fragment((C, C), f32)
             # strict lower A, fp32; rows padded by a_row_pad floats: written from the wgmma
             # fragment, eight rows at a time, a 64-float row stride puts them all in one bank
@@ -156,43 +156,26 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # accumulator: ptxas would serialise every wgmma of the kernel)
             M_f = T.alloc_fragment((C, C), f32)
             col = T.alloc_local((BLK,), f32)
+            loaded = T.alloc_barrier(threads)  # k's and q's tiles (TMA)
 
-            # ---- loads first, all in flight together: the gates (64 threads), k and q (bulk
-            # copies). Rows past the chunk's end are the next sequence's (or zeros past the
+            # ---- loads first, all in flight together: k and q by TMA (no registers, no
+            # per-thread copy instructions: those were a sixth of this kernel's), the gates by
+            # 64 threads. Rows past the chunk's end are the next sequence's (or zeros past the
             # batch): they are never written out, and in A they meet beta = 0 or the mask.
+            T.tma_copy(k[bos : bos + C, hk, :], k_s, barrier=loaded)
+            if l2:
+                if hv % ratio == 0:
+                    T.tma_copy(q[bos : bos + C, hk, :], q_s, barrier=loaded)
+            T.barrier_arrive(loaded)
             for i in T.Parallel(C):
                 g_s[i] = T.if_then_else(i < L, g[bos + i, hv], 0.0)
                 b_s[i] = T.if_then_else(i < L, T.cast(beta[bos + i, hv], f32), 0.0)
-            T.copy(k[bos : bos + C, hk, :], k_s)
-            if l2:
-                if hv % ratio == 0:
-                    T.copy(q[bos : bos + C, hk, :], q_s)
+            T.clear(Dinv_s)  # the substitution below writes the diagonal blocks
             # inclusive cumsum of the gate inside the chunk (past the chunk's end g = 0: G stays flat)
             T.cumsum(src=g_s, dst=G_s, dim=0)
             tx = T.get_thread_binding()
             if tx < C:
                 g_cum[ic, hv, tx] = G_s[tx]
-
-            # ---- q (one block per q/k head writes it) and k L2-normalised in fp32; k back into
-            # its tile. Loops either load shared memory or store to it, not both (below).
-            if l2:
-                if hv % ratio == 0:
-                    for i, d in T.Parallel(C, K):
-                        x_f[i, d] = T.cast(q_s[i, d], f32) * T.cast(q_s[i, d], f32)
-                    T.reduce_sum(x_f, sq, dim=1)
-                    for i, d in T.Parallel(C, K):
-                        if i < L:
-                            q_normed[bos + i, hk, d] = T.cast(q_s[i, d], f32) * T.rsqrt(sq[i] + L2NORM_EPS)
-                for i, d in T.Parallel(C, K):
-                    x_f[i, d] = T.cast(k_s[i, d], f32) * T.cast(k_s[i, d], f32)
-                T.reduce_sum(x_f, sq, dim=1)
-                for i, d in T.Parallel(C, K):
-                    x_f[i, d] = T.cast(k_s[i, d], f32) * T.rsqrt(sq[i] + L2NORM_EPS)
-                T.copy(x_f, k_s)
-                if hv % ratio == 0:
-                    for i, d in T.Parallel(C, K):
-                        if i < L:
-                            k_normed[bos + i, hk, d] = k_s[i, d]
 
             # ---- A = strict_lower(beta_i k_i.k_j exp(G_i - G_j))
             # Element-wise steps either only load shared memory (into a fragment) or only store
@@ -200,14 +183,36 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # cannot rule out aliasing), one load latency per element. Exponents are clamped
             # where masked (G_i - G_j <= 0 for i >= j; above the diagonal it could overflow, and
             # inf * 0 is NaN), so that the loop has no branch and its loads issue together.
+            # With the L2 norm, k stays raw in its tile: |k_i|^2 is the diagonal of k k^T, and A
+            # takes 1 / (|k_i| |k_j|) in fp32. A pass that squared, reduced and rescaled the
+            # tile took a quarter of this kernel's stall samples (H200, 16/64 heads). q and k
+            # are written normalised for chunk_fwd by one block per q/k head; q's norms come
+            # from the diagonal of q q^T the same way.
+            T.barrier_wait(loaded, 0)
             T.gemm(k_s, k_s, A_f, transpose_B=True, clear_accum=True)
+            if l2:
+                for i, j in T.Parallel(C, C):
+                    if i == j:
+                        rk_s[i] = T.rsqrt(A_f[i, j] + L2NORM_EPS)
+                if hv % ratio == 0:
+                    T.gemm(q_s, q_s, P_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        if i == j:
+                            rq_s[i] = T.rsqrt(P_f[i, j] + L2NORM_EPS)
+                    for i, d in T.Parallel(C, K):
+                        if i < L:
+                            q_normed[bos + i, hk, d] = T.cast(q_s[i, d], f32) * rq_s[i]
+                            k_normed[bos + i, hk, d] = T.cast(k_s[i, d], f32) * rk_s[i]
+            else:
+                for i in T.Parallel(C):
+                    rk_s[i] = 1.0
             for i, j in T.Parallel(C, C):  # (A_f is the wgmma accumulator: written only by wgmma)
-                M_f[i, j] = T.if_then_else(i > j, A_f[i, j] * b_s[i], 0.0) * T.exp2(T.min(G_s[i] - G_s[j], 0.0) * LOG2E)
+                M_f[i, j] = T.if_then_else(i > j, A_f[i, j] * (b_s[i] * rk_s[i] * rk_s[j]), 0.0) * T.exp2(
+                    T.min(G_s[i] - G_s[j], 0.0) * LOG2E)
             for i, j in T.Parallel(C, C):
                 A_s[i, j] = M_f[i, j]
                 # N: the strictly block-lower part of A
                 N_s[i, j] = T.cast(T.if_then_else(i // BLK > j // BLK, M_f[i, j], 0.0), MERGE_DTYPE)
-                Dinv_s[i, j] = T.cast(0.0, MERGE_DTYPE)
 
             # ---- inverse of the 16x16 diagonal blocks of (I + A), forward substitution:
             # thread tx < 64 owns column tx % 16 of block tx // 16 and keeps it in registers,

@@ -53,10 +53,11 @@ FWD_TC, FWD_NSLOT = 24, 32  # chunks traced per work item, slots per chunk
 # what removing it saves (taking the L2-norm pass out of three blocks in four cut its median
 # from 6.7k to 0.5k cycles and left the kernel's time unchanged).
 PREP_STAMPS = [
-    ("x_f = T.alloc_fragment((C, K), f32)", 0, True, " " * 12),
-    ("T.copy(k[bos : bos + C, hk, :], k_s)", 1, False, None), ("T.cumsum(src=g_s, dst=G_s, dim=0)", 2, False, None),
-    ("# ---- q (one block per q/k head", 3, True, None), ("# ---- A = strict_lower", 4, True, None),
+    ("k_s = T.alloc_shared((C, K), dt)", 0, True, " " * 12),
+    ("T.cumsum(src=g_s, dst=G_s, dim=0)", 2, False, None), ("# ---- A = strict_lower", 3, True, None),
+    ("T.barrier_wait(loaded, 0)", 1, False, None),
     ("T.gemm(k_s, k_s, A_f, transpose_B=True, clear_accum=True)", 5, False, None),
+    ("for i, j in T.Parallel(C, C):  # (A_f is the wgmma accumulator", 4, True, None),
     ("# ---- inverse of the 16x16 diagonal blocks", 6, True, None), ("# ---- merge: (I + A)", 7, True, None),
     ("T.gemm(Dinv_s, N_s, P_f, clear_accum=True)  # P", 8, False, None),
     ("T.gemm(X_s, X_s, P_f, clear_accum=True)  # P^2", 9, False, None),
@@ -65,7 +66,7 @@ PREP_STAMPS = [
     ("t_beta[ic, hv, i, j] = P_f[i, j] * b_s[j]", 12, False, " " * 12),
     ("    return prep", 13, True, " " * 12),
 ]
-PREP_NAMES = ["start", "k loaded", "cumsum", "gates stored", "k normalised", "kkT issued", "A stored", "Dinv",
+PREP_NAMES = ["start", "k loaded", "cumsum", "gates stored", "q/k norms", "kkT issued", "A stored", "Dinv",
               "P issued", "P^2 issued", "R issued", "T issued", "T stored", "end"]
 PREP_NSLOT = 16
 
