@@ -85,10 +85,10 @@ def _target():
     return Target({"kind": "cuda", "arch": "sm_90a"})
 
 
-def _pass_configs():
+def _pass_configs(fast_math: bool = False):
     import tilelang
 
-    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: fast_math}
 
 
 # --------------------------------------------------------------------------------------
@@ -557,8 +557,10 @@ def _kernel_set(cfg: PrefillStaticConfig):
 
         tune = PREFILL_CONFIGS
         target, pc = _target(), _pass_configs()
+        # prep with nvcc's fast math (one MUFU per exp2/rsqrt, no denormal fix-ups): H200 16/64
+        # 8x4096 prep 0.592 -> 0.574 ms; chunk_fwd gained nothing from it and keeps exact math
         prep = tilelang.compile(_build_prep(cfg, tune["prep_threads"], tune["prep_min_blocks"], tune["prep_a_row_pad"]),
-                                target=target, pass_configs=pc)
+                                target=target, pass_configs=_pass_configs(fast_math=True))
         # chunk_fwd places its own warpgroup barriers (see _build_chunk_fwd)
         fwd_pc = dict(pc, **{tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
         fwd = tilelang.compile(_build_chunk_fwd(cfg, tuple(tune["fwd_role_nregs"])), target=target, pass_configs=fwd_pc)
