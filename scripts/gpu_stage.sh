@@ -6,7 +6,7 @@
 _qla_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export QLA_STAGE=${QLA_STAGE:-/tmp/qla-stage}
 rm -rf "$QLA_STAGE" && mkdir -p "$QLA_STAGE"
-cp -r "$_qla_root/qla_serving" "$_qla_root/tests" "$_qla_root/e2e_bench" "$_qla_root/pyproject.toml" "$QLA_STAGE/"
+cp -r "$_qla_root/qla_serving" "$_qla_root/tests" "$_qla_root/e2e_bench" "$_qla_root/scripts" "$_qla_root/pyproject.toml" "$QLA_STAGE/"
 cp -r "$_qla_root/kernels" "$QLA_STAGE/qla_serving/kernels"
 cp -r "$_qla_root/integrations" "$QLA_STAGE/qla_serving/integrations"
 python3 - "$QLA_STAGE" <<'PY'
