@@ -63,7 +63,7 @@ PREP_STAMPS = [
     ("T.gemm(X_s, X_s, P_f, clear_accum=True)  # P^2", 9, False, None),
     ("T.gemm(U_s, W_s, P_f, clear_accum=True)  # R = (I - P)(I + P^2)", 10, False, None),
     ("T.gemm(N_s, Dinv_s, P_f, clear_accum=True)  # T = R D^-1", 11, False, None),
-    ("t_beta[ic, hv, i, j] = P_f[i, j] * b_s[j]", 12, False, " " * 12),
+    ("T.tma_copy(Tb_s, t_beta[ic, hv, :, :])", 12, False, None),
     ("    return prep", 13, True, " " * 12),
 ]
 PREP_NAMES = ["start", "k loaded", "cumsum", "gates stored", "q/k norms", "kkT issued", "A stored", "Dinv",
