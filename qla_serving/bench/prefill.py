@@ -130,32 +130,40 @@ RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer
            "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False)}
 
 
-def kernel_times(x, hqk, hv, iters=20) -> dict:
-    """Median CUDA-event time of each of our kernels (``prep``, ``chunk_fwd``) in one cell."""
-    from qla_serving.kernels import chunk_prefill
-
-    fn = runner_qla(x, hqk, hv)
-    cfg = chunk_prefill.static_config(x["q"], x["v"], x["beta"], torch.empty(0, hv, V, K, device="cuda"), True)
-    kernels = chunk_prefill._kernel_set(cfg)
-    events = {"prep": [], "chunk_fwd": []}
+def kernel_medians(module, cfg, call, iters=20, skip=3) -> dict:
+    """Median CUDA-event time of each kernel of ``module`` (``prep``, ``chunk_fwd``) over
+    ``iters`` calls of ``call`` after ``skip`` unmeasured ones. ``module`` is
+    ``qla_serving.kernels.chunk_prefill`` or a variant of it (``scripts/trace``); ``cfg`` the
+    static config whose kernels ``call`` runs."""
+    kernels = module._kernel_set(cfg)
+    names = ("prep", "chunk_fwd")
+    events = {n: [] for n in names}
 
     def timed(name, kernel):
-        def call(*args):
+        def run(*args):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             kernel(*args)
             e.record()
             events[name].append((s, e))
-        return call
+        return run
 
-    chunk_prefill._kernels[cfg] = (timed("prep", kernels[0]), timed("chunk_fwd", kernels[1]))
+    module._kernels[cfg] = tuple(timed(n, k) for n, k in zip(names, kernels))
     try:
-        for _ in range(iters + 3):
-            fn()
+        for _ in range(iters + skip):
+            call()
         torch.cuda.synchronize()
     finally:
-        chunk_prefill._kernels[cfg] = kernels
-    return {n: sorted(s.elapsed_time(e) for s, e in ev[3:])[len(ev[3:]) // 2] for n, ev in events.items()}
+        module._kernels[cfg] = kernels
+    return {n: sorted(s.elapsed_time(e) for s, e in ev[skip:])[len(ev[skip:]) // 2] for n, ev in events.items()}
+
+
+def kernel_times(x, hqk, hv, iters=20) -> dict:
+    """Median CUDA-event time of each of our kernels (``prep``, ``chunk_fwd``) in one cell."""
+    from qla_serving.kernels import chunk_prefill
+
+    cfg = chunk_prefill.static_config(x["q"], x["v"], x["beta"], torch.empty(0, hv, V, K, device="cuda"), True)
+    return kernel_medians(chunk_prefill, cfg, runner_qla(x, hqk, hv), iters)
 
 
 def main(argv=None) -> int:

@@ -18,35 +18,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import variants
 
 
-def kernel_medians(mod, call, x, pool, iters=30) -> str:
-    """Median CUDA-event time of each of ``mod``'s kernels over ``iters`` calls of ``call``."""
-    import torch
-
-    cfg = mod.static_config(x["q"], x["v"], x["beta"], pool, True)
-    kernels = mod._kernel_set(cfg)
-    names = ("prep", "chunk_fwd")
-    events = {n: [] for n in names}
-
-    def timed(name, kernel):
-        def run(*a):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            kernel(*a)
-            e.record()
-            events[name].append((s, e))
-        return run
-
-    mod._kernels[cfg] = tuple(timed(n, k) for n, k in zip(names, kernels))
-    try:
-        for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-    finally:
-        mod._kernels[cfg] = kernels
-    med = {n: sorted(s.elapsed_time(e) for s, e in ev)[len(ev) // 2] for n, ev in events.items()}
-    return ", ".join(f"{n} {t:.4f}" for n, t in med.items())
-
-
 def main(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True)
@@ -66,6 +37,7 @@ def main(argv):
     import torch
 
     from qla_serving.bench.common import median_ms
+    from qla_serving.bench.prefill import kernel_medians
 
     for cell in args.cells:
         hqk, hv, x, plan = variants.cell_setup(cell)
@@ -77,7 +49,11 @@ def main(argv):
             pool.zero_()  # the outputs compared come from one call on a zero initial state
             f()
             torch.cuda.synchronize()
-            res.append((ms, out.clone(), kernel_medians(m, f, x, pool) if args.kernels else ""))
+            kt = ""
+            if args.kernels:
+                cfg = m.static_config(x["q"], x["v"], x["beta"], pool, True)
+                kt = ", ".join(f"{n} {t:.4f}" for n, t in kernel_medians(m, cfg, f, iters=30, skip=0).items())
+            res.append((ms, out.clone(), kt))
         (tb, ob, kb), (th, oh, kh) = res
         print(f"{cell}: base {tb:.4f} ms, tree {th:.4f} ms, speed-up {tb / th:.3f}x, "
               f"max |out diff| {(oh.float() - ob.float()).abs().max().item():.2e}"
