@@ -6,8 +6,9 @@
 machine's copy of the tree has no history: `git show REV:kernels/chunk_prefill.py > f.py`).
 
 Same inputs, same plan, CUDA-event medians of 50 calls after 5; prints each time, the speed-up
-and the largest output difference (--kernels: each kernel's median too, `prep` and `chunk_fwd`). --compile-only fills TileLang's cache here. Measurement
-only: the benchmark of record is `qla-serving bench prefill`.
+and the largest output difference (--kernels: each kernel's median too, `prep` and
+`chunk_fwd`). --compile-only fills TileLang's cache here. Measurement only: the benchmark of
+record is `qla-serving bench prefill`.
 """
 
 import argparse
