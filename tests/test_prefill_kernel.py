@@ -195,12 +195,17 @@ def test_stages_match_chunk_reference():
     v_chunks = torch.zeros(NC, 64, HV, V, device="cuda")
     mask = torch.zeros(NC, 64, dtype=torch.bool, device="cuda")
     kn = l2norm(case["k"].float()).repeat_interleave(HV // case["k"].shape[1], dim=1)
+    H = case["k"].shape[1]
+    # 1 / |q_i| and 1 / |k_i| per chunk row and q/k head (chunk_fwd keeps q and k raw)
+    rnorm = torch.zeros(NC, 64, H, 2, device="cuda")
     for ci, (s, j) in enumerate(case["plan"].chunk_indices.cpu().tolist()):
         bos = int(case["cu"][s]) + 64 * j
         n = min(64, int(case["cu"][s + 1]) - bos)
         k_chunks[ci, :n] = kn[bos:bos + n]
         v_chunks[ci, :n] = case["v"][bos:bos + n].float()
         mask[ci, :n] = True
+        for r, x in enumerate((case["q"], case["k"])):
+            rnorm[ci, :n, :, r] = x[bos:bos + n].float().norm(dim=-1).reciprocal()
     G = ws["g_cum"].permute(0, 2, 1)  # [NC, C, HV]
     tb = ws["t_beta"].float().permute(0, 2, 1, 3)  # [NC, C(row), HV, C(col)]
     w = torch.einsum("nihj,njhd->nihd", tb, k_chunks * G.exp()[..., None])
@@ -209,8 +214,7 @@ def test_stages_match_chunk_reference():
         "g_cum": _rel(G[mask], inter.g_cum[mask]),
         "w": _rel(w[mask], inter.w[mask]),
         "u": _rel(u[mask], inter.u[mask]),
-        "k_normed": _rel(ws["k_normed"], l2norm(case["k"].float())),
-        "q_normed": _rel(ws["q_normed"], l2norm(case["q"].float())),
+        "qk_rnorm": _rel(ws["qk_rnorm"].permute(0, 3, 1, 2)[mask], rnorm[mask]),
     }
     assert all(e < TOL for e in errs.values()), errs
     assert float(tb[~mask].abs().max()) == 0.0, "t_beta rows past a chunk's end must be zero"

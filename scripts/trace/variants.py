@@ -165,8 +165,8 @@ def traced_source(src: str | None = None) -> str:
     a, b = src.index("def _build_prep"), src.index("def _build_chunk_fwd")
     c = src.index("# Compilation and cache")
     prep, fwd = src[a:b], src[b:c]
-    prep = prep.replace("        k_normed: T.Tensor((NT, H, K), dt),\n    ):",
-                        "        k_normed: T.Tensor((NT, H, K), dt),\n        trace: T.Tensor((NTR,), \"int64\"),\n    ):")
+    prep = prep.replace("        qk_rnorm: T.Tensor((NC, H, 2, C), f32),\n    ):",
+                        "        qk_rnorm: T.Tensor((NC, H, 2, C), f32),\n        trace: T.Tensor((NTR,), \"int64\"),\n    ):")
     prep = prep.replace('    BLK = 16', '    NTR = T.dynamic("ntrace", "int64")\n    BLK = 16', 1)
     prep = _stamped(prep, '''    @T.macro
     def stamp(trace, ic, hv, slot):
@@ -184,8 +184,8 @@ def traced_source(src: str | None = None) -> str:
                 trace[((T.cast(wi, "int64") * HV + hv) * FWD_TC + c) * FWD_NSLOT + slot] = T.call_extern("int64", "clock64")
 ''', [(a, s, n, b, None) for a, s, n, b in FWD_STAMPS], "stamp(trace, wi, hv, c, {})")
     tail = src[c:]
-    tail = tail.replace("prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, q_normed, k_normed)",
-                        "prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, q_normed, k_normed, TRACE['prep'])")
+    tail = tail.replace("prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, qk_rnorm)",
+                        "prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, qk_rnorm, TRACE['prep'])")
     tail = tail.replace("float(LOG_DECAY_THRESHOLD), float(scale), out)", "float(LOG_DECAY_THRESHOLD), float(scale), out, TRACE['fwd'])")
     return src[:a] + prep + fwd + tail
 
