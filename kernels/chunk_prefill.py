@@ -138,6 +138,8 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             b_s = T.alloc_shared((C,), f32)
             rk_s = T.alloc_shared((C,), f32)  # 1 / |k_i| (1 without the L2 norm)
             rq_s = T.alloc_shared((C,), f32)  # 1 / |q_i|
+            ea_s = T.alloc_shared((C,), f32)  # A's per-row exponent
+            eb_s = T.alloc_shared((C,), f32)  # A's per-column exponent
             A_f = T.alloc_fragment((C, C), f32)
             # strict lower A, fp32; rows padded by a_row_pad floats: written from the wgmma
             # fragment, eight rows at a time, a 64-float row stride puts them all in one bank
@@ -156,6 +158,8 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # element-wise results on their way to shared memory (never written into a wgmma
             # accumulator: ptxas would serialise every wgmma of the kernel)
             M_f = T.alloc_fragment((C, C), f32)
+            Mh_f = T.alloc_fragment((C, C), MERGE_DTYPE)
+            Mh2_f = T.alloc_fragment((C, C), MERGE_DTYPE)
             col = T.alloc_local((BLK,), f32)
             Tb_f = T.alloc_fragment((C, C), dt)
             Tb_s = T.alloc_shared((C, C), dt)  # T diag(beta), for one bulk (TMA) store
@@ -216,12 +220,19 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
                     if tx < C:  # chunk_fwd scales by the norms either way
                         qk_rnorm[ic, hk, 0, tx] = 1.0
                         qk_rnorm[ic, hk, 1, tx] = 1.0
+            # Every factor of A_ij but k_i.k_j goes into one exponent, a row part and a column
+            # part made once per row (64 threads): exp2(ea_i + eb_j) with
+            # ea_i = G_i log2(e) + log2(beta_i / |k_i|) and eb_j = log2(1 / |k_j|) - G_j log2(e)
+            # (beta_i = 0 gives -inf: a zero row). Four instructions per element (was nine, and
+            # a branch per element for the diagonal blocks' store, which now stores all of A);
+            # above the diagonal the exponent may overflow, and the select drops it.
+            if tx < C:
+                ea_s[tx] = G_s[tx] * LOG2E + T.log2(b_s[tx] * rk_s[tx])
+                eb_s[tx] = T.log2(rk_s[tx]) - G_s[tx] * LOG2E
             for i, j in T.Parallel(C, C):  # (A_f is the wgmma accumulator: written only by wgmma)
-                M_f[i, j] = T.if_then_else(i > j, A_f[i, j] * (b_s[i] * rk_s[i] * rk_s[j]), 0.0) * T.exp2(
-                    T.min(G_s[i] - G_s[j], 0.0) * LOG2E)
+                M_f[i, j] = T.if_then_else(i > j, A_f[i, j] * T.exp2(ea_s[i] + eb_s[j]), 0.0)
             for i, j in T.Parallel(C, C):
-                if i // BLK == j // BLK:  # the substitution reads the diagonal blocks only
-                    A_s[i, j] = M_f[i, j]
+                A_s[i, j] = M_f[i, j]
                 # N: the strictly block-lower part of A
                 N_s[i, j] = T.cast(T.if_then_else(i // BLK > j // BLK, M_f[i, j], 0.0), MERGE_DTYPE)
 
@@ -239,16 +250,22 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # ---- merge: (I + A) = D (I + P) with P = D^-1 N, N the strictly block-lower
             # part; P^4 = 0, so (I + A)^-1 = (I - P)(I + P^2) D^-1. Four 64x64x64 wgmma, each
             # clearing its accumulator; the element-wise steps only read it.
+            # Each operand goes to shared memory from an fp16 fragment by one T.copy (stmatrix:
+            # four instructions per thread, where element-wise stores took 32 two-byte ones).
             T.gemm(Dinv_s, N_s, P_f, clear_accum=True)  # P
             for i, j in T.Parallel(C, C):
-                X_s[i, j] = T.cast(P_f[i, j], MERGE_DTYPE)
-                U_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) - P_f[i, j], MERGE_DTYPE)
+                Mh_f[i, j] = T.cast(P_f[i, j], MERGE_DTYPE)
+                Mh2_f[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) - P_f[i, j], MERGE_DTYPE)
+            T.copy(Mh_f, X_s)
+            T.copy(Mh2_f, U_s)
             T.gemm(X_s, X_s, P_f, clear_accum=True)  # P^2
             for i, j in T.Parallel(C, C):
-                W_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + P_f[i, j], MERGE_DTYPE)
+                Mh_f[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + P_f[i, j], MERGE_DTYPE)
+            T.copy(Mh_f, W_s)
             T.gemm(U_s, W_s, P_f, clear_accum=True)  # R = (I - P)(I + P^2)
             for i, j in T.Parallel(C, C):
-                N_s[i, j] = T.cast(P_f[i, j], MERGE_DTYPE)
+                Mh_f[i, j] = T.cast(P_f[i, j], MERGE_DTYPE)
+            T.copy(Mh_f, N_s)
             T.gemm(N_s, Dinv_s, P_f, clear_accum=True)  # T = R D^-1
 
             # ---- T diag(beta): v' = T diag(beta) (v - exp(G) k h) needs only this matrix
