@@ -397,6 +397,7 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
             # element-wise results in the activation dtype, apart from the wgmma accumulators:
             # writing an accumulator outside wgmma made ptxas serialise every wgmma of the kernel
             y_f = T.alloc_fragment((C, V), dt)
+            tw_f = T.alloc_fragment((C, C), dt)  # T diag(beta exp(G) / |k|), WG1's A operand
             pb_f = T.alloc_fragment((C, C), dt)
             ob_f = T.alloc_fragment((C, V), dt)
             o_s = T.alloc_shared((C, V), dt)  # a full chunk's output, for the bulk store
@@ -486,23 +487,30 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
                     for i in T.Parallel(C):
                         eg1_s[st, i] = T.exp2(g_s[st, i] * LOG2E) * rn_s[st, 1, i]
                         er1_s[st, i] = T.if_then_else(i < L, T.exp2((g_last - g_s[st, i]) * LOG2E), 0.0) * rn_s[st, 1, i]
-                    T.barrier_wait(s_ready, c % 2)
-                    T.gemm(k_s[st, :, :], S_s, x_f, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(s_free)
                     T.sync_threads(BAR_DELTA, WG)  # eg1_s, er1_s written
-                    # Each element-wise step works in the fragment and only then goes to shared
-                    # memory in one copy (stmatrix): a loop that both reads shared memory and
-                    # stores to it reloads every per-row factor after each store (the compiler
-                    # cannot rule out aliasing), one load latency per element (H200: ~1.5k cycles
-                    # per step on the chain).
-                    # v - exp(G) k h, zero past the chunk's end
+                    # Everything of v' = T diag(beta) v - T diag(beta) diag(exp(G)) k h that does
+                    # not need the state, before it arrives: -W = -T diag(beta exp(G)) k to
+                    # shared memory (T's columns scaled in registers, the product's A operand
+                    # from there), U = T diag(beta) v in the accumulator; the state's one product
+                    # W h then accumulates onto U. The chain between the state's arrival and
+                    # v' is one wgmma (it was k h, an element-wise pass through shared memory
+                    # and T diag(beta)'s product). Each element-wise step works in a fragment and
+                    # goes to shared memory in one copy (stmatrix): a loop that both reads shared
+                    # memory and stores to it reloads every per-row factor after each store.
+                    for i, j in T.Parallel(C, C):
+                        tw_f[i, j] = t_s[st, i, j] * eg1_s[st, j]
+                    T.gemm(tw_f, k_s[st, :, :], x_f, clear_accum=True)
                     for i, j in T.Parallel(C, V):
-                        y_f[i, j] = T.if_then_else(i < L, T.cast(v_s[st, i, j], f32) - eg1_s[st, i] * x_f[i, j], 0.0)
+                        y_f[i, j] = -x_f[i, j]
                     T.copy(y_f, wv_s)
                     T.fence_proxy_async()
+                    T.gemm(t_s[st, :, :], v_s[st, :, :], x_f, clear_accum=True)
                     T.sync_threads(BAR_DELTA, WG)  # wv_s written, for the wgmma
-                    T.gemm(t_s[st, :, :], wv_s, x_f, clear_accum=True)
+                    T.barrier_wait(s_ready, c % 2)
+                    T.gemm(wv_s, S_s, x_f, transpose_B=True)
+                    T.barrier_arrive(s_free)
                     # v' rows past the chunk's end are zero: there T diag(beta) has zero rows
+                    # (and zero columns: the next sequence's v and k rows add nothing)
                     T.barrier_wait(vn_free, (c % 2) ^ 1)
                     T.copy(x_f, vn_s)
                     T.fence_proxy_async()
