@@ -17,7 +17,8 @@ batch composition compiles nothing and syncs nothing.
 * ``chunk_fwd`` — grid (1, value head, work item): the serial chunk-to-chunk pass with the
   output fused in, the state kept in registers (fp32) for the whole item. Four warpgroups
   split a chunk's work by role and hand off through mbarriers: the state (publishes its bf16
-  copy, applies the update), the delta values (``k h``, ``v' = T diag(beta) (v - exp(G) k h)``),
+  copy, applies the update), the delta values (``v' = U - W h`` with ``U = T diag(beta) v`` and
+  ``W = T diag(beta exp(G)) k`` made before the state arrives),
   the output (``q k^T``, ``q h``, ``P v'``), and a TMA producer filling the next stage; the
   output and ``q k^T`` do not lengthen the state's chain. (An earlier variant with TileLang's
   automatic producer/consumer split, every consumer walking the whole chain, was 1.14-2.8x
@@ -289,8 +290,9 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
 
     * WG0 — the state: keeps S (V x K, fp32) in registers, publishes its bf16 copy per chunk,
       then applies ``S' = exp(G_last) S + v_d^T k`` once WG1 has ``v_d``.
-    * WG1 — the delta values: ``X = k h``, ``v' = T diag(beta) (v - exp(G) X)``, publishes
-      ``v'`` (for WG2) and ``v_d = v' exp(G_last - G)`` (for WG0).
+    * WG1 — the delta values: ``U = T diag(beta) v`` and ``-W = -T diag(beta exp(G)) k``
+      before the state arrives, then ``v' = U - W h`` (one wgmma onto U); publishes ``v'``
+      (for WG2) and ``v_d = v' exp(G_last - G)`` (for WG0).
     * WG2 — the output: ``P = mask(q k^T exp(G_i - G_j))`` (needs no state, so it runs
       while WG0/WG1 work), ``o = exp(G) q h + P v'``; a full chunk's ``o`` leaves by one TMA
       store from shared memory, a partial one by masked per-thread stores.
