@@ -100,6 +100,7 @@ def _pass_configs(fast_math: bool = False):
 
 def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_row_pad: int = 0):
     import tilelang.language as T
+    from tilelang.cuda.language import pdl_trigger
     from tilelang.layout import make_swizzled_layout
 
     H, HV, K, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, CHUNK
@@ -124,6 +125,9 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
         qk_rnorm: T.Tensor((NC, H, 2, C), f32),
     ):
         with T.Kernel(NC, HV, threads=threads) as (ic, hv):
+            # chunk_fwd may launch once every prep block has started (programmatic dependent
+            # launch): its blocks take SMs as prep's last wave drains, and wait in pdl_sync
+            pdl_trigger()
             if min_blocks:
                 # blocks per SM promised to ptxas: caps registers at 64K / (min_blocks x threads)
                 T.annotate_min_blocks_per_sm(min_blocks)
@@ -310,6 +314,7 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
     never write a wgmma accumulator (docs/prefill-performance.md says why).
     """
     import tilelang.language as T
+    from tilelang.cuda.language import pdl_sync
     from tilelang.layout import make_swizzled_layout
 
     H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
@@ -422,6 +427,10 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
             # head's gate did not decay below the threshold over that window, the warm-up would
             # not be exact enough: the item replays from the sequence start instead (exact).
             first = work_items[wi, 1]
+            # prep's outputs (g_cum here, the producer's loads below) only after prep is done:
+            # this kernel is launched as prep's programmatic dependent, so it may be resident
+            # while prep's last blocks run
+            pdl_sync()
             if first > 0:
                 decay = 0.0
                 for c in T.serial(out_chunk - first):
