@@ -25,6 +25,8 @@ batch composition compiles nothing and syncs nothing.
   slower in every cell of the H200 grid; it is in the git history before this sentence.)
   No per-chunk state goes to memory: the initial state is read from the engine's pool, the
   final state written back in place, checkpoints written at the plan's chunk boundaries.
+  It is launched as ``prep``'s programmatic dependent (``pdl_trigger`` / ``pdl_sync``): its
+  blocks take SMs while ``prep``'s last wave drains and wait before reading ``prep``'s outputs.
 
 Work items and AutoCP: ``chunk_fwd`` runs one item per block column, ``(sequence, first
 chunk, first output chunk, end chunk)`` from the plan. Without context parallelism an item
