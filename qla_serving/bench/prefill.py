@@ -18,6 +18,7 @@ in the kernel, fp32 states, every sequence with an initial state):
 """
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -130,12 +131,25 @@ RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer
            "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False)}
 
 
+@contextlib.contextmanager
+def swapped_kernels(module, cfg, kernels):
+    """Inside the block, ``module``'s compiled ``(prep, chunk_fwd)`` of static config ``cfg``
+    are replaced by ``kernels`` (two callables with the kernels' arguments); yields the
+    originals and restores them on the way out. ``module`` is
+    ``qla_serving.kernels.chunk_prefill`` or a variant of it (``scripts/trace``)."""
+    saved = module._kernel_set(cfg)
+    module._kernels[cfg] = tuple(kernels)
+    try:
+        yield saved
+    finally:
+        module._kernels[cfg] = saved
+
+
 def kernel_medians(module, cfg, call, iters=20, skip=3) -> dict:
     """Median CUDA-event time of each kernel of ``module`` (``prep``, ``chunk_fwd``) over
     ``iters`` calls of ``call`` after ``skip`` unmeasured ones. ``module`` is
     ``qla_serving.kernels.chunk_prefill`` or a variant of it (``scripts/trace``); ``cfg`` the
     static config whose kernels ``call`` runs."""
-    kernels = module._kernel_set(cfg)
     names = ("prep", "chunk_fwd")
     events = {n: [] for n in names}
 
@@ -148,13 +162,10 @@ def kernel_medians(module, cfg, call, iters=20, skip=3) -> dict:
             events[name].append((s, e))
         return run
 
-    module._kernels[cfg] = tuple(timed(n, k) for n, k in zip(names, kernels))
-    try:
+    with swapped_kernels(module, cfg, [timed(n, k) for n, k in zip(names, module._kernel_set(cfg))]):
         for _ in range(iters + skip):
             call()
         torch.cuda.synchronize()
-    finally:
-        module._kernels[cfg] = kernels
     return {n: sorted(s.elapsed_time(e) for s, e in ev[skip:])[len(ev[skip:]) // 2] for n, ev in events.items()}
 
 

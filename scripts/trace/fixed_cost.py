@@ -19,6 +19,7 @@ def main(argv):
             m.warmup(*variants.cell_heads(h))
         return 0
     from qla_serving.bench.common import median_ms
+    from qla_serving.bench.prefill import swapped_kernels
 
     def noop(*args):
         return None
@@ -26,16 +27,14 @@ def main(argv):
     for h in heads:
         for L in (64, 256, 1024, 4096):
             cell = f"{h}:8x{L}:nocp"
-            hqk, hv, x, plan = variants.cell_setup(cell)
-            m.warmup(hqk, hv)
-            f, out, pool = variants.op_call(m, x, plan, hv)
+            _, hv, x, plan = variants.cell_setup(cell)
+            f, _out, pool = variants.op_call(m, x, plan, hv)
             cfg = m.static_config(x["q"], x["v"], x["beta"], pool, True)
             prep, fwd = m._kernel_set(cfg)
             t = {}
             for name, ks in (("op", (prep, fwd)), ("prep", (prep, noop)), ("fwd", (noop, fwd)), ("none", (noop, noop))):
-                m._kernels[cfg] = ks
-                t[name] = median_ms(f, graph=True, iters=50) * 1000
-            m._kernels[cfg] = (prep, fwd)
+                with swapped_kernels(m, cfg, ks):
+                    t[name] = median_ms(f, graph=True, iters=50) * 1000
             print(cell, " ".join(f"{k} {v:.1f}us" for k, v in t.items()), flush=True)
     return 0
 

@@ -1,8 +1,9 @@
 """Does a TileLang kernel with ``pdl_sync`` start before the kernel ahead of it finishes?
 
-Two spin kernels of ~30 us: the first triggers its dependents at once, the second spins
-before ``pdl_sync``. Back to back in one CUDA graph they take ~30 us if programmatic dependent
-launch is in effect and ~60 us if not. Measurement only (H100/H200).
+Two spin kernels of ~15 us (H200): the first triggers its dependents at once, the second
+spins before ``pdl_sync``. Back to back in one CUDA graph they take about as long as one if
+programmatic dependent launch is in effect, about as long as both if not. Measurement only
+(H100/H200).
 
     python scripts/trace/pdl_check.py [--compile-only]
 """
@@ -15,7 +16,6 @@ def kernels():
     import tilelang.language as T
     from tilelang.cuda.language import pdl_sync, pdl_trigger
     from tvm.target import Target
-
 
     @T.prim_func
     def first(y: T.Tensor((8, 128), "float32"), iters: T.int32):
