@@ -287,36 +287,54 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
     return prep
 
 
-def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
-    """``chunk_fwd``: the serial pass, the chunk's work split by role across warpgroups.
+def _fix_wgmma_accum_fence():
+    """TileLang 0.1.15 sizes the register fence of a wgmma accumulator by the block's whole M:
+    with M = 128 over two warpgroups (each its 64 rows) it fences twice the registers a thread
+    holds, reads past the fragment, and ptxas moves the fragments to local memory and
+    serialises every wgmma. Each warpgroup spans at most four warps' rows."""
+    from tilelang.cuda.intrinsics.macro import wgmma_macro_generator as gen
 
-    Four warpgroups, one block per (value head, work item), the whole V = 128 per block:
+    cls = gen.TensorCoreIntrinEmitter
+    if getattr(cls, "_qla_fenced", False):
+        return
+    DataType = gen.DataType
 
-    * WG0 — the state: keeps S (V x K, fp32) in registers, publishes its bf16 copy per chunk,
-      then applies ``S' = exp(G_last) S + v_d^T k`` once WG1 has ``v_d``.
-    * WG1 — the delta values: ``U = T diag(beta) v`` and ``-W = -T diag(beta exp(G)) k``
-      before the state arrives, then ``v' = U - W h`` (one wgmma onto U); publishes ``v'``
-      (for WG2) and ``v_d = v' exp(G_last - G)`` (for WG0).
-    * WG2 — the output: ``P = mask(q k^T exp(G_i - G_j))`` (needs no state, so it runs
-      while WG0/WG1 work), ``o = exp(G) q h + P v'``; a full chunk's ``o`` leaves by one TMA
-      store from shared memory, a partial one by masked per-thread stores.
-    * WG3 — the producer: copies chunk c + 1's q, k, v, ``T diag(beta)`` and gates into the
-      other stage while the others work on chunk c.
+    def wgmma_accum_regs(self) -> int:
+        m_dim = min(self.block_row_warps, 4) * self.warp_row_tiles
+        accum_bits = DataType(self.accum_dtype).bits
+        return ((m_dim // 64) * self.warp_cols * self.local_size_out * accum_bits + 31) // 32
 
-    mbarriers order the hand-offs (one phase per chunk); no role waits for a product another
-    role does not need. Inside a role, the barriers are written here: a named barrier per
-    warpgroup (``bar.sync`` over its 128 threads) where its threads exchange data through shared
-    memory, and TileLang's automatic placement is off for this kernel (``_kernel_set``). That
-    pass cannot tell the merged shared-memory buffers apart and put a barrier inside every
-    unrolled loop that reads one tile and writes another, 32 per loop, each serialising a
-    shared load (H200: chunk_fwd 1.58 -> 1.30 ms at 16/64 heads 8x4096). Element-wise steps
-    load shared memory into fragments or store fragments to it, never both in one loop, and
-    never write a wgmma accumulator (docs/prefill-performance.md says why).
+    cls.wgmma_accum_regs = property(wgmma_accum_regs)
+    cls._qla_fenced = True
+
+
+def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
+    """``chunk_fwd``: the serial pass, the state's products in registers, the chunk's other work beside it.
+
+    Three roles, one block per (value head, work item), the whole V = 128 per block:
+
+    * the state (two warpgroups, 256 threads): S (V x K, fp32) stays in the accumulator
+      registers, its rows split between the two warpgroups (64 each), and every product of a
+      chunk is taken transposed, with V as its M dimension, so that each result is the next
+      product's A operand in registers: ``X = S k^T`` and ``S q^T`` from S's bf16 copy,
+      ``v'^T = v^T Tb^T - (X exp(G) / |k|) Tb^T`` (Tb = T diag(beta)), the output
+      ``O^T = exp(G) S q^T + v'^T P^T``, the update ``S = exp(G_last) S + (v'^T exp(G_last - G) / |k|) k``.
+      No copy of the state or of ``v'`` goes through shared memory and no other role waits
+      for them: the chain between two chunks is three products of this role.
+    * P (one warpgroup): ``P = mask(q k^T exp(G_i - G_j)) / |k_j|`` and the chunk's per-token
+      factors, into a per-stage buffer, up to two chunks ahead of the state role.
+    * the producer (one warpgroup): copies chunk c + 1's q, k, v, ``T diag(beta)``, gates and
+      norms into the other stage by TMA while the others work on chunk c.
+
+    mbarriers order the hand-offs (one phase per chunk and stage). The output leaves
+    transposed through a shared tile and one TMA store per full chunk. TileLang's automatic
+    barrier placement is off for this kernel (``_kernel_set``): the barriers are written here.
     """
     import tilelang.language as T
     from tilelang.cuda.language import pdl_sync
-    from tilelang.layout import make_swizzled_layout
+    from tilelang.layout import Fragment, make_swizzled_layout
 
+    _fix_wgmma_accum_fence()
     H, HV, K, V, C = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM, HEAD_DIM, CHUNK
     ratio = HV // H
     dt, pdt, f32 = cfg.dtype, cfg.pool_dtype, "float32"
@@ -329,16 +347,39 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
     NP0 = T.dynamic("h0_pool_elems", "int64")
     NCK = T.dynamic("num_ckpt_rows", "int64")
     WG = 128
-    NREG_STATE, NREG_DELTA, NREG_OUT, NREG_PRODUCER = nregs
+    NREG_STATE, NREG_P, NREG_PRODUCER = nregs
     # Each thread starts with 64K / 512 = 128 registers. setmaxnreg.inc below the current count
     # (or .dec above it) is an illegal instruction on the device, so the direction follows the
     # budget, and a role that keeps 128 issues nothing.
     NREG_LAUNCH = 65536 // (4 * WG)
-    if sum(nregs) * WG > 65536 or any(r % 8 or not 24 <= r <= 256 for r in nregs):
-        raise ValueError(f"fwd_role_nregs {nregs}: each a multiple of 8 in [24, 256], sum <= 512")
-    BAR_DELTA, BAR_OUT = 2, 3  # named barriers of WG1 and WG2 (0 is __syncthreads)
-    SET_STATE, SET_DELTA, SET_OUT, SET_PRODUCER = (r != NREG_LAUNCH for r in nregs)
-    INC_STATE, INC_DELTA, INC_OUT, INC_PRODUCER = (int(r > NREG_LAUNCH) for r in nregs)
+    if (2 * NREG_STATE + NREG_P + NREG_PRODUCER) * WG > 65536 or any(r % 8 or not 24 <= r <= 256 for r in nregs):
+        raise ValueError(f"fwd_role_nregs {nregs}: each a multiple of 8 in [24, 256], 2 x state + P + producer <= 512")
+    BAR_STATE, TURN = 2, 4  # named barriers: 2, 3 each state warpgroup's; 4, 5 their turns (0 is __syncthreads)
+    SET_STATE, SET_P, SET_PRODUCER = (r != NREG_LAUNCH for r in nregs)
+    INC_STATE, INC_P, INC_PRODUCER = (int(r > NREG_LAUNCH) for r in nregs)
+    ROWS = T.GemmWarpPolicy.FullRow  # the state role's products: each warpgroup its 64 rows of V
+
+    @T.macro
+    def out_tile_store(o_s, ob_f, tx, wg):
+        # The transposed output (V x chunk, in the accumulators' layout) to o_s (chunk x V) by
+        # stmatrix .trans: per 8 x 8 tile a thread holds two tokens of one row of V (rows
+        # lane / 4, tokens 2 (lane % 4) + 0, 1); stored transposed, a token's 8 values of V are
+        # its row's 16 bytes. Four instructions per thread where element-wise stores took 32.
+        # Instruction m stores the tiles q = 0..3 of token block 2 m + q // 2 and half q % 2
+        # of the thread's warp's 16 rows of V; lanes 8 q .. 8 q + 7 address tile q's rows.
+        lane = tx % 32
+        v0 = wg * 64 + ((tx % WG) // 32) * 16 + lane // 4  # the thread's row of V in tile half 0
+        t0 = (lane % 4) * 2  # its first token in a block
+        for m in T.unroll(4):
+            T.call_extern(
+                "handle", "tl::ptx_stmatrix_m8n8_x4_trans",
+                T.address_of(o_s[(2 * m + lane // 16) * 8 + lane % 8,
+                                 wg * 64 + ((tx % WG) // 32) * 16 + ((lane // 8) % 2) * 8]),
+                T.call_extern("uint32", "__pack_half2", ob_f[v0, 16 * m + t0], ob_f[v0, 16 * m + t0 + 1]),
+                T.call_extern("uint32", "__pack_half2", ob_f[v0 + 8, 16 * m + t0], ob_f[v0 + 8, 16 * m + t0 + 1]),
+                T.call_extern("uint32", "__pack_half2", ob_f[v0, 16 * m + 8 + t0], ob_f[v0, 16 * m + 8 + t0 + 1]),
+                T.call_extern("uint32", "__pack_half2", ob_f[v0 + 8, 16 * m + 8 + t0],
+                              ob_f[v0 + 8, 16 * m + 8 + t0 + 1]))
 
     @T.prim_func
     def chunk_fwd(
@@ -377,50 +418,43 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
             q_s = T.alloc_shared((2, C, K), dt)
             k_s = T.alloc_shared((2, C, K), dt)
             v_s = T.alloc_shared((2, C, V), dt)
-            # swizzled like the wgmma operands: WG1 reads v in the accumulator fragment's order,
-            # eight rows at once, which a plain 256-byte row stride turns into 8-way conflicts
-            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
             t_s = T.alloc_shared((2, C, C), dt)
             g_s = T.alloc_shared((2, C), f32)
-            # 1 / |q_i| and 1 / |k_i| per stage (prep's; ones without the L2 norm). q and k
-            # arrive raw: o_i = (exp(G_i) q_i h + sum_j P'_ij v'_j) / |q_i| with
-            # P'_ij = mask(q_i k_j exp(G_i - G_j)) / |k_j|, and 1 / |k_i| scales the rows of
-            # k h and of v_d, all steps that scale anyway. No normalised copy of q and k goes
-            # through memory (prep wrote one per q/k head: at 16/64 heads x 32768 tokens
-            # 268 MB written, then read again).
+            # 1 / |q_i| and 1 / |k_i| per stage (prep's; ones without the L2 norm): q and k arrive raw
             rn_s = T.alloc_shared((2, 2, C), f32)
-            S_s = T.alloc_shared((V, K), dt)
-            wv_s = T.alloc_shared((C, V), dt)
-            vn_s = T.alloc_shared((C, V), dt)
-            vd_s = T.alloc_shared((C, V), dt)
-            p_s = T.alloc_shared((C, C), dt)
-            eg1_s = T.alloc_shared((2, C), f32)  # WG1's per-row exp(G_i), per stage
-            er1_s = T.alloc_shared((2, C), f32)  # WG1's per-row exp(G_last - G_i), 0 past the end, per stage
-            eg2_s = T.alloc_shared((C,), f32)  # WG2's per-row exp(G_i)
-            S_f = T.alloc_fragment((V, K), f32)
-            x_f = T.alloc_fragment((C, V), f32)
-            o_f = T.alloc_fragment((C, V), f32)
-            p_f = T.alloc_fragment((C, C), f32)
-            # element-wise results in the activation dtype, apart from the wgmma accumulators:
-            # writing an accumulator outside wgmma made ptxas serialise every wgmma of the kernel
-            y_f = T.alloc_fragment((C, V), dt)
-            tw_f = T.alloc_fragment((C, C), dt)  # T diag(beta exp(G) / |k|), WG1's A operand
-            pb_f = T.alloc_fragment((C, C), dt)
-            ob_f = T.alloc_fragment((C, V), dt)
+            p_s = T.alloc_shared((2, C, C), dt)  # P per stage (the P role's)
+            # per stage, per token j (the P role's): -exp(G_j) / |k_j|, exp(G_last - G_j) / |k_j|
+            # (0 past the chunk's end), exp(G_j), scale / |q_j|
+            fac_s = T.alloc_shared((2, 4, C), f32)
             o_s = T.alloc_shared((C, V), dt)  # a full chunk's output, for the bulk store
+            # written column by column from the transposed output: swizzled, so that the eight
+            # tokens a warp's store instruction covers do not share a bank
+            T.annotate_layout({o_s: make_swizzled_layout(o_s)})
+            S_f = T.alloc_fragment((V, K), f32)
+            Sb_f = T.alloc_fragment((V, K), dt)
+            x_f = T.alloc_fragment((V, C), f32)
+            u_f = T.alloc_fragment((V, C), f32)
+            o_f = T.alloc_fragment((V, C), f32)
+            xb_f = T.alloc_fragment((V, C), dt)
+            vb_f = T.alloc_fragment((V, C), dt)
+            ub_f = T.alloc_fragment((V, C), dt)
+            ob_f = T.alloc_fragment((V, C), dt)
+            # the accumulators' layout (wgmma m64 per warpgroup, FullRow over the two), given
+            # here because out_tile_store reads a thread's values by their indices
+            T.annotate_layout({ob_f: Fragment(
+                [V, C], forward_thread_fn=lambda i, j: (i // 64) * 128 + ((i % 64) // 16) * 32 + (i % 8) * 4 + (j % 8) // 2,
+                forward_index_fn=lambda i, j: (j // 8) * 4 + ((i % 16) // 8) * 2 + j % 2)})
+            p_f = T.alloc_fragment((C, C), f32)
+            pb_f = T.alloc_fragment((C, C), dt)
             first = T.alloc_var("int32")
             decay = T.alloc_var(f32)
             g_last = T.alloc_var(f32)
             ck_row = T.alloc_var("int32")
 
             full = T.alloc_barrier([WG, WG])  # stage filled (producer)
-            empty = T.alloc_barrier([3 * WG, 3 * WG])  # stage consumed (WG0-2)
-            s_ready = T.alloc_barrier(WG)  # bf16 state published (WG0)
-            s_free = T.alloc_barrier(2 * WG)  # bf16 state read (WG1, WG2)
-            vn_ready = T.alloc_barrier(WG)  # v' published (WG1)
-            vn_free = T.alloc_barrier(WG)  # v' read (WG2)
-            vd_ready = T.alloc_barrier(WG)  # v_d published (WG1)
-            vd_free = T.alloc_barrier(WG)  # v_d read (WG0)
+            empty = T.alloc_barrier([3 * WG, 3 * WG])  # stage consumed (state role, P role)
+            p_ready = T.alloc_barrier([WG, WG])  # P and the factors of a stage written (P role)
+            p_free = T.alloc_barrier([2 * WG, 2 * WG])  # ... and read (state role)
 
             # AutoCP: a work item starting after its sequence's first chunk begins from a zero
             # state and replays the warm-up chunks [first, out_chunk) without output. Where this
@@ -440,10 +474,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
             nchunks = end_chunk - first
 
             tx = T.get_thread_binding()
-            # register budget per role (4 x 128 threads share 64K registers; ptxas sizes each
-            # branch for its role's budget): the state needs 128 registers for S alone
-            if tx < WG:
-                # ---------------- WG0: the state
+            if tx < 2 * WG:
+                # ---------------- the state (two warpgroups)
                 if SET_STATE:
                     T.set_max_nreg(NREG_STATE, INC_STATE)
                 base = T.cast(state_indices[n], "int64") * slot_stride + hv * (V * K)
@@ -453,100 +485,106 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
                         S_f[i, d] = T.cast(h0_pool[base0 + i * K + d], f32)
                 else:
                     T.clear(S_f)
-                for c in T.serial(nchunks):
-                    st = c % 2
-                    ci = first + c
-                    L = T.min(eos - (bos + ci * C), C)
-                    T.barrier_wait(full[st], (c // 2) % 2)
-                    T.barrier_wait(s_free, (c % 2) ^ 1)
-                    T.copy(S_f, S_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(s_ready)
-                    g_last = T.exp2(g_s[st, L - 1] * LOG2E)  # the state's decay over the chunk
-                    for i, d in T.Parallel(V, K):
-                        S_f[i, d] = S_f[i, d] * g_last
-                    T.barrier_wait(vd_ready, c % 2)
-                    T.gemm(vd_s, k_s[st, :, :], S_f, transpose_A=True)
-                    T.barrier_arrive(vd_free)
-                    if ckpt_every_chunks > 0:
-                        if ci >= out_chunk and L == C and (ci + 1) % ckpt_every_chunks == 0:
-                            # a variable, not an expression: TileLang inlines a plain binding into
-                            # every element's address (a global load and an int64 division each),
-                            # and ptxas kept those addresses live across the chunk loop, spilling
-                            # the state copy's (H200: ~1k cycles per chunk on the chain)
-                            ck_row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
-                            for i, d in T.Parallel(V, K):
-                                checkpoints[ck_row, hv, i, d] = S_f[i, d]
-                    T.barrier_arrive(empty[st])
-                if end_chunk == T.ceildiv(eos - bos, C):
-                    for i, d in T.Parallel(V, K):
-                        pool[base + i * K + d] = S_f[i, d]
-            elif tx < 2 * WG:
-                # ---------------- WG1: the delta values
-                if SET_DELTA:
-                    T.set_max_nreg(NREG_DELTA, INC_DELTA)
-                for c in T.serial(nchunks):
-                    st = c % 2
-                    ci = first + c
-                    L = T.min(eos - (bos + ci * C), C)
-                    T.barrier_wait(full[st], (c // 2) % 2)
-                    # the gate factors before the state arrives, off the chain; one buffer per
-                    # stage: this stage's were last read two chunks ago, and every thread has
-                    # passed this role's barriers of the chunk between since
-                    g_last = g_s[st, L - 1]
-                    # with the L2 norm both carry 1 / |k_i|: k h's rows and the update's v_d rows
-                    for i in T.Parallel(C):
-                        eg1_s[st, i] = T.exp2(g_s[st, i] * LOG2E) * rn_s[st, 1, i]
-                        er1_s[st, i] = T.if_then_else(i < L, T.exp2((g_last - g_s[st, i]) * LOG2E), 0.0) * rn_s[st, 1, i]
-                    T.sync_threads(BAR_DELTA, WG)  # eg1_s, er1_s written
-                    # Everything of v' = T diag(beta) v - T diag(beta) diag(exp(G)) k h that does
-                    # not need the state, before it arrives: -W = -T diag(beta exp(G)) k to
-                    # shared memory (T's columns scaled in registers, the product's A operand
-                    # from there), U = T diag(beta) v in the accumulator; the state's one product
-                    # W h then accumulates onto U. The chain between the state's arrival and
-                    # v' is one wgmma (it was k h, an element-wise pass through shared memory
-                    # and T diag(beta)'s product). Each element-wise step works in a fragment and
-                    # goes to shared memory in one copy (stmatrix): a loop that both reads shared
-                    # memory and stores to it reloads every per-row factor after each store.
-                    for i, j in T.Parallel(C, C):
-                        tw_f[i, j] = t_s[st, i, j] * eg1_s[st, j]
-                    T.gemm(tw_f, k_s[st, :, :], x_f, clear_accum=True)
-                    for i, j in T.Parallel(C, V):
-                        y_f[i, j] = -x_f[i, j]
-                    T.copy(y_f, wv_s)
-                    T.fence_proxy_async()
-                    T.gemm(t_s[st, :, :], v_s[st, :, :], x_f, clear_accum=True)
-                    T.sync_threads(BAR_DELTA, WG)  # wv_s written, for the wgmma
-                    T.barrier_wait(s_ready, c % 2)
-                    T.gemm(wv_s, S_s, x_f, transpose_B=True)
-                    T.barrier_arrive(s_free)
-                    # v' rows past the chunk's end are zero: there T diag(beta) has zero rows
-                    # (and zero columns: the next sequence's v and k rows add nothing)
-                    T.barrier_wait(vn_free, (c % 2) ^ 1)
-                    T.copy(x_f, vn_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vn_ready)
-                    for i, j in T.Parallel(C, V):
-                        y_f[i, j] = x_f[i, j] * er1_s[st, i]
-                    T.barrier_wait(vd_free, (c % 2) ^ 1)
-                    T.copy(y_f, vd_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vd_ready)
-                    T.barrier_arrive(empty[st])
-            elif tx < 3 * WG:
-                # ---------------- WG2: the output
-                if SET_OUT:
-                    T.set_max_nreg(NREG_OUT, INC_OUT)
+                # The two warpgroups take turns issuing their products (each its half of V):
+                # while one's run on the tensor cores, the other does its element-wise steps.
+                # A turn is a named barrier the waiting warpgroup syncs on and the other arrives
+                # at once it has issued; warpgroup 1 lets warpgroup 0 go first.
+                wg = tx // WG
+                if wg == 1:
+                    T.named_barrier_arrive(TURN, 2 * WG)
                 for c in T.serial(nchunks):
                     st = c % 2
                     ci = first + c
                     cs = bos + ci * C
                     L = T.min(eos - cs, C)
                     T.barrier_wait(full[st], (c // 2) % 2)
-                    T.tma_store_wait()  # the last chunk's bulk store has read o_s (its issuing thread)
-                    T.sync_threads(BAR_OUT, WG)  # every warp is done with eg2_s, p_s and o_s of the last chunk
-                    for i in T.Parallel(C):
-                        eg2_s[i] = T.exp2(g_s[st, i] * LOG2E)
+                    # both products of the state's bf16 copy at once (its registers stay live
+                    # until both are done: the U products wait, for the register budget)
+                    for i, d in T.Parallel(V, K):
+                        Sb_f[i, d] = T.cast(S_f[i, d], dt)
+                    T.sync_threads(TURN + wg, 2 * WG)
+                    T.wgmma_gemm(Sb_f, k_s[st, :, :], x_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                    T.wgmma_gemm(Sb_f, q_s[st, :, :], o_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                    T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
+                    # the last chunk's output leaves while the tensor cores work (a chunk
+                    # before the item's last is a full one)
+                    if c > 0 and ci > out_chunk:
+                        T.tma_store_wait()  # the bulk store before it has read o_s (its issuing thread)
+                        T.sync_threads(BAR_STATE + wg, WG)
+                        out_tile_store(o_s, ob_f, tx, wg)
+                        T.fence_proxy_async()
+                        T.sync_threads(BAR_STATE + wg, WG)  # o_s written
+                        if tx < WG:
+                            T.tma_copy(o_s[:, 0 : V // 2], o[cs - C : cs, hv, 0 : V // 2])
+                        else:
+                            T.tma_copy(o_s[:, V // 2 : V], o[cs - C : cs, hv, V // 2 : V])
+                    T.barrier_wait(p_ready[st], (c // 2) % 2)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(V, C):
+                        xb_f[i, j] = T.cast(x_f[i, j] * fac_s[st, 0, j], dt)
+                    # v'^T = v^T Tb^T + xb Tb^T; the decays of S and of S q^T meanwhile
+                    T.sync_threads(TURN + wg, 2 * WG)
+                    T.wgmma_gemm(v_s[st, :, :], t_s[st, :, :], u_f, transpose_A=True, transpose_B=True,
+                                 policy=ROWS, clear_accum=True)
+                    T.wgmma_gemm(xb_f, t_s[st, :, :], u_f, transpose_B=True, policy=ROWS)
+                    T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
+                    g_last = T.exp2(g_s[st, L - 1] * LOG2E)  # the state's decay over the chunk
+                    for i, d in T.Parallel(V, K):
+                        S_f[i, d] = S_f[i, d] * g_last
+                    for i, j in T.Parallel(V, C):
+                        o_f[i, j] = o_f[i, j] * fac_s[st, 2, j]
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(V, C):
+                        ub_f[i, j] = T.cast(u_f[i, j] * fac_s[st, 1, j], dt)
+                        vb_f[i, j] = T.cast(u_f[i, j], dt)
+                    T.sync_threads(TURN + wg, 2 * WG)
+                    T.wgmma_gemm(ub_f, k_s[st, :, :], S_f, policy=ROWS)
+                    T.wgmma_gemm(vb_f, p_s[st, :, :], o_f, transpose_B=True, policy=ROWS)
+                    T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(V, C):
+                        ob_f[i, j] = T.cast(o_f[i, j] * fac_s[st, 3, j], dt)
+                    T.barrier_arrive(p_free[st])
+                    if ckpt_every_chunks > 0:
+                        if ci >= out_chunk and L == C and (ci + 1) % ckpt_every_chunks == 0:
+                            # a variable, not an expression: TileLang inlines a plain binding into
+                            # every element's address (a global load and an int64 division each)
+                            ck_row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
+                            for i, d in T.Parallel(V, K):
+                                checkpoints[ck_row, hv, i, d] = S_f[i, d]
+                    T.barrier_arrive(empty[st])
+                # the item's last chunk's output (full or partial)
+                if end_chunk > out_chunk:
+                    cs = bos + (end_chunk - 1) * C
+                    L = T.min(eos - cs, C)
+                    if L == C:
+                        T.tma_store_wait()
+                        T.sync_threads(BAR_STATE + wg, WG)
+                        out_tile_store(o_s, ob_f, tx, wg)
+                        T.fence_proxy_async()
+                        T.sync_threads(BAR_STATE + wg, WG)  # o_s written
+                        if tx < WG:
+                            T.tma_copy(o_s[:, 0 : V // 2], o[cs : cs + C, hv, 0 : V // 2])
+                        else:
+                            T.tma_copy(o_s[:, V // 2 : V], o[cs : cs + C, hv, V // 2 : V])
+                    else:
+                        for i, j in T.Parallel(V, C):
+                            if j < L:
+                                o[cs + j, hv, i] = ob_f[i, j]
+                T.tma_store_wait()
+                if end_chunk == T.ceildiv(eos - bos, C):
+                    for i, d in T.Parallel(V, K):
+                        pool[base + i * K + d] = S_f[i, d]
+            elif tx < 3 * WG:
+                # ---------------- P and the per-token factors
+                if SET_P:
+                    T.set_max_nreg(NREG_P, INC_P)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    ci = first + c
+                    L = T.min(eos - (bos + ci * C), C)
+                    T.barrier_wait(full[st], (c // 2) % 2)
+                    T.barrier_wait(p_free[st], ((c // 2) % 2) ^ 1)
                     T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
                     # Branch-free, so that the gate loads issue together: masked entries take
                     # p = 0 and a clamped exponent (G_i - G_j <= 0 where i >= j; elsewhere it
@@ -554,35 +592,19 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(248, 112, 128, 24)):
                     for i, j in T.Parallel(C, C):
                         pb_f[i, j] = T.if_then_else(T.And(i >= j, j < L), p_f[i, j], 0.0) * T.exp2(
                             T.min(g_s[st, i] - g_s[st, j], 0.0) * LOG2E) * rn_s[st, 1, j]
-                    T.copy(pb_f, p_s)
-                    T.barrier_wait(s_ready, c % 2)
-                    T.gemm(q_s[st, :, :], S_s, o_f, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(s_free)
+                    T.copy(pb_f, p_s[st, :, :])
+                    j = tx - 2 * WG
+                    if j < C:
+                        fac_s[st, 0, j] = -T.exp2(g_s[st, j] * LOG2E) * rn_s[st, 1, j]
+                        fac_s[st, 1, j] = T.if_then_else(
+                            j < L, T.exp2((g_s[st, L - 1] - g_s[st, j]) * LOG2E), 0.0) * rn_s[st, 1, j]
+                        fac_s[st, 2, j] = T.exp2(g_s[st, j] * LOG2E)
+                        fac_s[st, 3, j] = scale * rn_s[st, 0, j]
                     T.fence_proxy_async()
-                    T.sync_threads(BAR_OUT, WG)  # eg2_s and p_s (for the wgmma) written
-                    for i, j in T.Parallel(C, V):
-                        o_f[i, j] = o_f[i, j] * eg2_s[i]
-                    T.barrier_wait(vn_ready, c % 2)
-                    T.gemm(p_s, vn_s, o_f)
-                    T.barrier_arrive(vn_free)
-                    if ci >= out_chunk:
-                        if L == C:
-                            # a full chunk leaves by one bulk (TMA) store from shared memory: its
-                            # 64 x 128 per-thread stores took ~2k cycles of this warpgroup per chunk
-                            for i, j in T.Parallel(C, V):
-                                ob_f[i, j] = o_f[i, j] * (scale * rn_s[st, 0, i])
-                            T.copy(ob_f, o_s)
-                            T.fence_proxy_async()
-                            T.sync_threads(BAR_OUT, WG)  # o_s written
-                            T.tma_copy(o_s, o[cs : cs + C, hv, :])
-                        else:
-                            for i, j in T.Parallel(C, V):
-                                if i < L:
-                                    o[cs + i, hv, j] = o_f[i, j] * (scale * rn_s[st, 0, i])
+                    T.barrier_arrive(p_ready[st])
                     T.barrier_arrive(empty[st])
-                T.tma_store_wait()
             else:
-                # ---------------- WG3: the producer
+                # ---------------- the producer
                 if SET_PRODUCER:
                     T.set_max_nreg(NREG_PRODUCER, INC_PRODUCER)
                 for c in T.serial(nchunks):

@@ -25,7 +25,7 @@ PREFILL_CONFIGS: dict = {
     # without AutoCP 4.42 -> 3.30 ms), e2e_bench/results/2026-11-21-nvidia-h200-prefill-rolesplit.md.
     # The state's 248 (from 240) leave its chunk loop without spills once the checkpoint store's
     # addresses stopped being hoisted (SASS: 0 local loads in the loop; at 240, 1).
-    "fwd_role_nregs": (248, 112, 128, 24),
+    "fwd_role_nregs": (192, 104, 24),
 }
 
 # Decode step (qla_serving.kernels.decode).

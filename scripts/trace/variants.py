@@ -19,33 +19,32 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KERNEL = os.path.join(ROOT, "kernels", "chunk_prefill.py")
 
-# chunk_fwd: (anchor, slot, occurrence, before). Slots 0-7 state role, 8-15 and 25 delta role,
-# 16-23 and 26-31 output role, 24 producer.
+# chunk_fwd: (anchor, slot, occurrence, before). Slots 0-15 the state role (stamped by thread 0
+# of each of its two warpgroups: the later write wins), 16-23 the P role, 24 the producer.
 FWD_STAMPS = [
-    ("T.barrier_wait(full[st], (c // 2) % 2)", 0, 1, False), ("T.barrier_wait(s_free, (c % 2) ^ 1)", 1, 1, False),
-    ("T.copy(S_f, S_s)", 6, 1, False), ("T.barrier_arrive(s_ready)", 2, 1, False),
-    ("T.barrier_wait(vd_ready, c % 2)", 3, 1, False), ("T.gemm(vd_s, k_s[st, :, :], S_f", 4, 1, False),
-    ("T.barrier_arrive(vd_free)", 27, 1, False), ("T.barrier_arrive(empty[st])", 5, 1, False),
-    ("T.barrier_wait(s_ready, c % 2)", 8, 1, False), ("T.gemm(wv_s, S_s, x_f", 9, 1, False),
-    ("T.sync_threads(BAR_DELTA, WG)  # wv_s written", 10, 1, False), ("T.gemm(t_s[st, :, :], v_s[st, :, :], x_f", 11, 1, False),
-    ("T.barrier_wait(vn_free, (c % 2) ^ 1)", 12, 1, False), ("T.barrier_arrive(vn_ready)", 13, 1, False),
-    ("T.barrier_wait(vd_free, (c % 2) ^ 1)", 15, 1, False), ("T.copy(y_f, vd_s)", 25, 1, False),
-    ("T.barrier_arrive(vd_ready)", 14, 1, False),
-    ("T.barrier_wait(full[st], (c // 2) % 2)", 16, 3, False), ("T.tma_store_wait()  # the last chunk", 26, 1, False),
-    ("T.sync_threads(BAR_OUT, WG)  # every warp is done", 28, 1, False),
-    ("T.gemm(q_s[st, :, :], k_s[st, :, :], p_f", 29, 1, False), ("T.barrier_wait(s_ready, c % 2)", 17, 2, True),
-    ("T.barrier_wait(s_ready, c % 2)", 18, 2, False), ("T.gemm(q_s[st, :, :], S_s, o_f", 19, 1, False),
-    ("T.barrier_wait(vn_ready, c % 2)", 20, 1, False), ("T.gemm(p_s, vn_s, o_f)", 21, 1, False),
-    ("T.copy(ob_f, o_s)", 31, 1, False), ("T.sync_threads(BAR_OUT, WG)  # o_s written", 30, 1, False),
-    ("T.barrier_arrive(empty[st])", 23, 3, True), ("T.barrier_arrive(empty[st])", 22, 3, False),
+    ("T.barrier_wait(full[st], (c // 2) % 2)", 0, 1, False),
+    ("T.wgmma_gemm(Sb_f, k_s[st, :, :], x_f", 1, 1, True),
+    ("T.barrier_wait(p_ready[st], (c // 2) % 2)", 2, 1, False),
+    ("T.wait_wgmma(0)", 3, 1, False),
+    ("T.wgmma_gemm(xb_f, t_s[st, :, :], u_f", 4, 1, False),
+    ("T.wait_wgmma(0)", 5, 2, False),
+    ("T.wgmma_gemm(ub_f, k_s[st, :, :], S_f", 6, 1, True),
+    ("T.wait_wgmma(0)", 7, 3, False),
+    ("T.barrier_arrive(p_free[st])", 8, 1, False),
+    ("T.barrier_arrive(empty[st])", 9, 1, False),
+    ("T.fence_proxy_async()", 10, 1, True),
+    ("T.tma_copy(o_s[:, V // 2 : V]", 11, 1, False),
+    ("T.barrier_wait(full[st], (c // 2) % 2)", 16, 2, False),
+    ("T.barrier_wait(p_free[st], ((c // 2) % 2) ^ 1)", 17, 1, False),
+    ("T.gemm(q_s[st, :, :], k_s[st, :, :], p_f", 18, 1, False),
+    ("T.copy(pb_f, p_s[st, :, :])", 19, 1, False),
+    ("T.barrier_arrive(p_ready[st])", 20, 1, False),
     ("T.barrier_wait(empty[st], ((c // 2) % 2) ^ 1)", 24, 1, False),
 ]
-FWD_NAMES = {0: "S full", 1: "S s_free", 6: "S copied", 2: "S published", 3: "S vd_ready", 4: "S update issued",
-             27: "S vd_free", 5: "S end", 8: "D s_ready", 9: "D Wh issued", 10: "D wv", 11: "D U issued",
-             12: "D vn_free", 13: "D vn", 15: "D vd_free", 25: "D vd copied", 14: "D vd", 16: "O full",
-             26: "O store read", 28: "O bar", 29: "O qk issued", 17: "O P", 18: "O s_ready", 19: "O qS issued",
-             20: "O vn_ready", 21: "O Pv issued", 31: "O o_s copied", 30: "O o_s bar", 23: "O stored", 22: "O end",
-             24: "P empty"}
+FWD_NAMES = {0: "S full", 1: "S cast", 2: "S p_ready", 3: "S X,O done", 4: "S U issued", 5: "S U done",
+             6: "S casts", 7: "S update done", 8: "S ob", 9: "S empty", 10: "S o_s written",
+             11: "S stored (WG1)", 16: "P full", 17: "P p_free", 18: "P qk done", 19: "P stored", 20: "P ready",
+             24: "L empty"}
 FWD_TC, FWD_NSLOT = 24, 32  # chunks traced per work item, slots per chunk
 
 # prep: (anchor, slot, before, indent); slot i is PREP_NAMES[i]. Per-block phase latencies
