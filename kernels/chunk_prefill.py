@@ -424,8 +424,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             rn_s = T.alloc_shared((2, 2, C), f32)
             p_s = T.alloc_shared((2, C, C), dt)  # P per stage (the P role's)
             # per stage, per token j (the P role's): -exp(G_j) / |k_j|, exp(G_last - G_j) / |k_j|
-            # (0 past the chunk's end), exp(G_j), scale / |q_j|
-            fac_s = T.alloc_shared((2, 4, C), f32)
+            # (0 past the chunk's end), exp(G_j) scale / |q_j|
+            fac_s = T.alloc_shared((2, 3, C), f32)
             o_s = T.alloc_shared((C, V), dt)  # a full chunk's output, for the bulk store
             # written column by column from the transposed output: swizzled, so that the eight
             # tokens a warp's store instruction covers do not share a bank
@@ -452,9 +452,10 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             ck_row = T.alloc_var("int32")
 
             full = T.alloc_barrier([WG, WG])  # stage filled (producer)
-            empty = T.alloc_barrier([3 * WG, 3 * WG])  # stage consumed (state role, P role)
-            p_ready = T.alloc_barrier([WG, WG])  # P and the factors of a stage written (P role)
-            p_free = T.alloc_barrier([2 * WG, 2 * WG])  # ... and read (state role)
+            # one arrival per warp on these three
+            empty = T.alloc_barrier([12, 12])  # stage consumed (state role's 8 warps, P role's 4)
+            p_ready = T.alloc_barrier([4, 4])  # P and the factors of a stage written (P role)
+            p_free = T.alloc_barrier([8, 8])  # ... and read (state role)
 
             # AutoCP: a work item starting after its sequence's first chunk begins from a zero
             # state and replays the warm-up chunks [first, out_chunk) without output. Where this
@@ -542,9 +543,13 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                     T.wgmma_gemm(vb_f, p_s[st, :, :], o_f, transpose_B=True, policy=ROWS)
                     T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
                     T.wait_wgmma(0)
+                    # P, the factors and the stage's tiles all read: one arrival per warp
+                    T.sync_warp()
+                    if tx % 32 == 0:
+                        T.barrier_arrive(p_free[st])
+                        T.barrier_arrive(empty[st])
                     for i, j in T.Parallel(V, C):
-                        ob_f[i, j] = T.cast(o_f[i, j] * fac_s[st, 3, j], dt)
-                    T.barrier_arrive(p_free[st])
+                        ob_f[i, j] = T.cast(o_f[i, j], dt)
                     if ckpt_every_chunks > 0:
                         if ci >= out_chunk and L == C and (ci + 1) % ckpt_every_chunks == 0:
                             # a variable, not an expression: TileLang inlines a plain binding into
@@ -552,7 +557,6 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                             ck_row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
                             for i, d in T.Parallel(V, K):
                                 checkpoints[ck_row, hv, i, d] = S_f[i, d]
-                    T.barrier_arrive(empty[st])
                 # the item's last chunk's output (full or partial)
                 if end_chunk > out_chunk:
                     cs = bos + (end_chunk - 1) * C
@@ -589,20 +593,23 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                     # Branch-free, so that the gate loads issue together: masked entries take
                     # p = 0 and a clamped exponent (G_i - G_j <= 0 where i >= j; elsewhere it
                     # could overflow, and inf * 0 is NaN).
+                    # (rows scaled by scale / |q_i|, the output's factor)
                     for i, j in T.Parallel(C, C):
                         pb_f[i, j] = T.if_then_else(T.And(i >= j, j < L), p_f[i, j], 0.0) * T.exp2(
-                            T.min(g_s[st, i] - g_s[st, j], 0.0) * LOG2E) * rn_s[st, 1, j]
+                            T.min(g_s[st, i] - g_s[st, j], 0.0) * LOG2E) * (rn_s[st, 1, j] * (scale * rn_s[st, 0, i]))
                     T.copy(pb_f, p_s[st, :, :])
                     j = tx - 2 * WG
                     if j < C:
                         fac_s[st, 0, j] = -T.exp2(g_s[st, j] * LOG2E) * rn_s[st, 1, j]
                         fac_s[st, 1, j] = T.if_then_else(
                             j < L, T.exp2((g_s[st, L - 1] - g_s[st, j]) * LOG2E), 0.0) * rn_s[st, 1, j]
-                        fac_s[st, 2, j] = T.exp2(g_s[st, j] * LOG2E)
-                        fac_s[st, 3, j] = scale * rn_s[st, 0, j]
+                        fac_s[st, 2, j] = T.exp2(g_s[st, j] * LOG2E) * (scale * rn_s[st, 0, j])
                     T.fence_proxy_async()
-                    T.barrier_arrive(p_ready[st])
-                    T.barrier_arrive(empty[st])
+                    # one arrival per warp (each warp's reads and writes done first)
+                    T.sync_warp()
+                    if tx % 32 == 0:
+                        T.barrier_arrive(p_ready[st])
+                        T.barrier_arrive(empty[st])
             else:
                 # ---------------- the producer
                 if SET_PRODUCER:
