@@ -15,14 +15,18 @@ batch composition compiles nothing and syncs nothing.
   four fp16 products), ``T diag(beta)`` — 8 KiB per chunk and head, in a per-chunk table
   ``[chunks, HV, 64, 64]`` next to the gate cumsum ``[chunks, HV, 64]``.
 * ``chunk_fwd`` — grid (1, value head, work item): the serial chunk-to-chunk pass with the
-  output fused in, the state kept in registers (fp32) for the whole item. Four warpgroups
-  split a chunk's work by role and hand off through mbarriers: the state (publishes its bf16
-  copy, applies the update), the delta values (``v' = U - W h`` with ``U = T diag(beta) v`` and
-  ``W = T diag(beta exp(G)) k`` made before the state arrives),
-  the output (``q k^T``, ``q h``, ``P v'``), and a TMA producer filling the next stage; the
-  output and ``q k^T`` do not lengthen the state's chain. (An earlier variant with TileLang's
-  automatic producer/consumer split, every consumer walking the whole chain, was 1.14-2.8x
-  slower in every cell of the H200 grid; it is in the git history before this sentence.)
+  output fused in, the state kept in registers (fp32) for the whole item. Three roles hand off
+  through mbarriers: the state (two warpgroups, each 64 rows of V of S in its accumulators;
+  every product of a chunk taken transposed, V as its M dimension, so that each result is the
+  next product's A operand in registers: ``S k^T``, ``S q^T``, ``v'^T``, the output and the
+  update never pass through shared memory), P (``q k^T`` masked and decayed, and the chunk's
+  per-token factors, up to two chunks ahead), and a TMA producer filling the next stage. The
+  two state warpgroups take turns issuing their first products (named barriers), so that one's
+  element-wise steps overlap the other's products; a chunk's output leaves one chunk later,
+  transposed by stmatrix into a shared tile and one TMA store per warpgroup. (The previous
+  four-role kernel handed the bf16 state and ``v'`` between warpgroups through shared memory
+  every chunk, ~5.5k cycles per chunk against ~4.2k now; it is in the git history before this
+  sentence, as is an earlier variant with TileLang's automatic producer/consumer split.)
   No per-chunk state goes to memory: the initial state is read from the engine's pool, the
   final state written back in place, checkpoints written at the plan's chunk boundaries.
   It is launched as ``prep``'s programmatic dependent (``pdl_trigger`` / ``pdl_sync``): its
@@ -37,8 +41,8 @@ warm-up is exact enough is decided in the kernel, per head, from the actual gate
 window's total log decay is above the threshold, the item replays from the sequence start
 instead (exact, no speedup for that head).
 
-All matrix products are ``T.gemm`` on 64-row tiles, lowered to wgmma (HGMMA in the SASS, no
-HMMA). The triangular merge's four products take fp16 operands: fp32 ones went to mma.sync
+All matrix products are ``T.gemm`` / ``T.wgmma_gemm`` on 64-row tiles per warpgroup, lowered
+to wgmma (HGMMA in the SASS, no HMMA). The triangular merge's four products take fp16 operands: fp32 ones went to mma.sync
 (every warp loading all of B from shared memory), and fp16 keeps tf32's 10-bit mantissa.
 """
 

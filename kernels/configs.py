@@ -18,13 +18,12 @@ PREFILL_CONFIGS: dict = {
     # wgmma fragment eight rows at a time, a 64-float stride is an 8-way bank conflict, 72 a
     # 2-way one. H200, 16/64 x 32768: 1.21 -> 1.14 ms (with exp2 for the decay factors, 1.13).
     "prep_a_row_pad": 8,
-    # chunk_fwd (grid 1 x value head x work item): four warpgroups (state, delta values,
-    # output, TMA producer) handing off through mbarriers; registers per role for setmaxnreg
-    # (sum 512 = 64K / 128 threads; a thread starts with 128). H200: every cell of the prefill
-    # grid 1.14-2.8x faster than the earlier automatic producer/consumer split (2/8 1x32768
-    # without AutoCP 4.42 -> 3.30 ms), e2e_bench/results/2026-11-21-nvidia-h200-prefill-rolesplit.md.
-    # The state's 248 (from 240) leave its chunk loop without spills once the checkpoint store's
-    # addresses stopped being hoisted (SASS: 0 local loads in the loop; at 240, 1).
+    # chunk_fwd (grid 1 x value head x work item): registers per role for setmaxnreg, the
+    # state role's two warpgroups (each), P, the TMA producer (2 x state + P + producer = 512
+    # = 64K / 128 threads; a thread starts with 128). The state role holds S (64 per thread),
+    # its bf16 copy and three 64 x 64 accumulators at once: 192 leaves it without spills
+    # (184: 128 bytes of spills). H200 same-run A/B against 192/104/24: 200/88/24 7% slower
+    # at 16/64 8x4096 and 4/16 1x32768 (no spills reported; P is close to the chain).
     "fwd_role_nregs": (192, 104, 24),
 }
 
