@@ -61,3 +61,19 @@ def test_the_baseline_is_the_revision_s_source_with_absolute_imports(tmp_path):
     saved.write_text(subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:kernels/chunk_prefill.py"],
                                     capture_output=True, text=True, check=True).stdout)
     assert variants.baseline_source(str(saved)) == variants.baseline_source("HEAD")
+
+
+def test_the_state_timeline_stamps_each_state_warpgroup_apart(capsys):
+    spec = importlib.util.spec_from_file_location("trace_state_timeline", ROOT / "scripts" / "trace" / "state_timeline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    saved = list(variants.FWD_STAMPS)
+    src = mod.source()
+    assert "skipped" not in capsys.readouterr().err
+    assert variants.FWD_STAMPS == saved  # the shared table is left as it was
+    ast.parse(src)
+    slots = _slots(src, r"stamp\(trace, wi, hv, c, (\d+) \+ 16 \* \(tx // WG\)\)")
+    assert slots == sorted(slot for _, slot, _, _ in mod.STAMPS)
+    assert max(slots) < 16 and set(slots) <= set(mod.NAMES)
+    # no stamp without a warpgroup offset is left in the state role's slots
+    assert not re.search(r"stamp\(trace, wi, hv, c, \d+\)", src)
