@@ -25,25 +25,13 @@ def main(argv):
         for cell in cells:
             mod.warmup(*variants.cell_heads(cell))
         return 0
-    import torch
-
     res = {}
     for cell in cells:
-        hqk, hv, x, plan = variants.cell_setup(cell)
-        nw, nc = plan.work_items.shape[0], plan.num_chunks
-        mod.TRACE["fwd"] = torch.zeros(nw * hv * mod.FWD_TC * mod.FWD_NSLOT, dtype=torch.int64, device="cuda")
-        mod.TRACE["prep"] = torch.zeros(nc * hv * mod.PREP_NSLOT, dtype=torch.int64, device="cuda")
-        mod.warmup(hqk, hv)
-        call, _, _ = variants.op_call(mod, x, plan, hv)
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        fwd = mod.TRACE["fwd"].view(nw * hv, mod.FWD_TC, mod.FWD_NSLOT)[:, 4:, :].cpu()
-        fwd = fwd[(fwd[:, :, 0] > 0).all(1)]
+        fwd, prep = variants.run_traced(mod, cell)
         period = (fwd[:, 1:, 0] - fwd[:, :-1, 0]).double().median().item()
         rel = (fwd - fwd[:, :, :1]).double()
         stamps = {name: rel[:, :, s].median().item() for s, name in variants.FWD_NAMES.items() if (fwd[:, :, s] != 0).any()}
-        prep = mod.TRACE["prep"].view(nc * hv, mod.PREP_NSLOT)[:, :len(variants.PREP_NAMES)].double().cpu()
+        prep = prep[:, :len(variants.PREP_NAMES)].double()
         prel = prep - prep[:, :1]
         phases = {name: prel[:, s].median().item() for s, name in enumerate(variants.PREP_NAMES)}
         print(f"== {cell}: chunk_fwd {period:.0f} cycles per chunk ({fwd.shape[0]} blocks traced)")

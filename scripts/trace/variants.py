@@ -154,6 +154,25 @@ def op_call(mod, x, plan, hv: int):
     return call, out, pool
 
 
+def run_traced(mod, cell: str):
+    """Three calls of a stamped module's op on ``cell``'s inputs: (chunk_fwd's stamps of chunks
+    4..23 of every block that reached chunk 23, ``[blocks, 20, FWD_NSLOT]``; prep's raw stamps,
+    ``[chunks x value heads, PREP_NSLOT]``), both int64 clock64 values on the CPU."""
+    import torch
+
+    hqk, hv, x, plan = cell_setup(cell)
+    nw, nc = plan.work_items.shape[0], plan.num_chunks
+    mod.TRACE["fwd"] = torch.zeros(nw * hv * mod.FWD_TC * mod.FWD_NSLOT, dtype=torch.int64, device="cuda")
+    mod.TRACE["prep"] = torch.zeros(nc * hv * mod.PREP_NSLOT, dtype=torch.int64, device="cuda")
+    mod.warmup(hqk, hv)
+    call, _, _ = op_call(mod, x, plan, hv)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    fwd = mod.TRACE["fwd"].view(nw * hv, mod.FWD_TC, mod.FWD_NSLOT)[:, 4:, :].cpu()
+    return fwd[(fwd[:, :, 0] > 0).all(1)], mod.TRACE["prep"].view(nc * hv, mod.PREP_NSLOT).cpu()
+
+
 def traced_source(src: str | None = None) -> str:
     """The kernel module with both kernels stamped; ``TRACE['fwd']`` / ``TRACE['prep']`` are the buffers."""
     if src is None:
