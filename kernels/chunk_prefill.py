@@ -322,17 +322,21 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
       chunk is taken transposed, with V as its M dimension, so that each result is the next
       product's A operand in registers: ``X = S k^T`` and ``S q^T`` from S's bf16 copy,
       ``v'^T = v^T Tb^T - (X exp(G) / |k|) Tb^T`` (Tb = T diag(beta)), the output
-      ``O^T = exp(G) S q^T + v'^T P^T``, the update ``S = exp(G_last) S + (v'^T exp(G_last - G) / |k|) k``.
-      No copy of the state or of ``v'`` goes through shared memory and no other role waits
-      for them: the chain between two chunks is three products of this role.
-    * P (one warpgroup): ``P = mask(q k^T exp(G_i - G_j)) / |k_j|`` and the chunk's per-token
-      factors, into a per-stage buffer, up to two chunks ahead of the state role.
+      ``O^T = (S q^T) diag(exp(G) scale / |q|) + v'^T P^T``, the update
+      ``S = exp(G_last) S + (v'^T exp(G_last - G) / |k|) k``. No copy of the state or of ``v'``
+      goes through shared memory and no other role waits for them: the chain between two
+      chunks is three products of this role. Its two warpgroups take turns issuing the first
+      products (named barriers), so that one's element-wise steps overlap the other's products.
+    * P (one warpgroup): ``P = mask(q k^T exp(G_i - G_j)) scale / (|q_i| |k_j|)`` and the
+      chunk's per-token factors, into a per-stage buffer, up to two chunks ahead of the state.
     * the producer (one warpgroup): copies chunk c + 1's q, k, v, ``T diag(beta)``, gates and
       norms into the other stage by TMA while the others work on chunk c.
 
-    mbarriers order the hand-offs (one phase per chunk and stage). The output leaves
-    transposed through a shared tile and one TMA store per full chunk. TileLang's automatic
-    barrier placement is off for this kernel (``_kernel_set``): the barriers are written here.
+    mbarriers order the hand-offs (one phase per chunk and stage; one arrival per warp). A full
+    chunk's output leaves during the next chunk's first products: ``stmatrix .trans`` into a
+    shared tile, one TMA store per warpgroup (its 64 columns); a partial last chunk by masked
+    stores. TileLang's automatic barrier placement is off for this kernel (``_kernel_set``):
+    the barriers are written here.
     """
     import tilelang.language as T
     from tilelang.cuda.language import pdl_sync
@@ -431,8 +435,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             # (0 past the chunk's end), exp(G_j) scale / |q_j|
             fac_s = T.alloc_shared((2, 3, C), f32)
             o_s = T.alloc_shared((C, V), dt)  # a full chunk's output, for the bulk store
-            # written column by column from the transposed output: swizzled, so that the eight
-            # tokens a warp's store instruction covers do not share a bank
+            # written by stmatrix .trans, eight tokens' 16-byte rows per tile: swizzled, so that
+            # those rows do not share banks
             T.annotate_layout({o_s: make_swizzled_layout(o_s)})
             S_f = T.alloc_fragment((V, K), f32)
             Sb_f = T.alloc_fragment((V, K), dt)
