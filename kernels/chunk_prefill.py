@@ -118,6 +118,14 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
     NS1 = T.dynamic("num_seqs_plus_one")
     BLK = 16  # diagonal block size of the triangular solve
 
+    @T.macro
+    def rnorm_from_diag(gram_f, rnorm_s):
+        # 1 / |x_i| from the diagonal of x x^T (a wgmma accumulator): the thread that holds
+        # element (i, i) writes it
+        for i, j in T.Parallel(C, C):
+            if i == j:
+                rnorm_s[i] = T.rsqrt(gram_f[i, j] + L2NORM_EPS)
+
     @T.prim_func
     def prep(
         q: T.Tensor((NT, H, K), dt),
@@ -211,14 +219,10 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             T.barrier_wait(loaded, 0)
             T.gemm(k_s, k_s, A_f, transpose_B=True, clear_accum=True)
             if l2:
-                for i, j in T.Parallel(C, C):
-                    if i == j:
-                        rk_s[i] = T.rsqrt(A_f[i, j] + L2NORM_EPS)
+                rnorm_from_diag(A_f, rk_s)
                 if hv % ratio == 0:
                     T.gemm(q_s, q_s, P_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        if i == j:
-                            rq_s[i] = T.rsqrt(P_f[i, j] + L2NORM_EPS)
+                    rnorm_from_diag(P_f, rq_s)
                     if tx < C:
                         qk_rnorm[ic, hk, 0, tx] = rq_s[tx]
                         qk_rnorm[ic, hk, 1, tx] = rk_s[tx]
@@ -389,6 +393,20 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                 T.call_extern("uint32", "__pack_half2", ob_f[v0 + 8, 16 * m + 8 + t0],
                               ob_f[v0 + 8, 16 * m + 8 + t0 + 1]))
 
+    @T.macro
+    def out_bulk_store(o_s, ob_f, o, row, hv, tx, wg):
+        # A full chunk's output (rows row .. row + 63 of o): each state warpgroup puts its 64
+        # columns in o_s and stores them by TMA on its own (no barrier between the two)
+        T.tma_store_wait()  # the bulk store before it has read o_s (its issuing thread)
+        T.sync_threads(BAR_STATE + wg, WG)
+        out_tile_store(o_s, ob_f, tx, wg)
+        T.fence_proxy_async()
+        T.sync_threads(BAR_STATE + wg, WG)  # o_s written
+        if tx < WG:
+            T.tma_copy(o_s[:, 0 : V // 2], o[row : row + C, hv, 0 : V // 2])
+        else:
+            T.tma_copy(o_s[:, V // 2 : V], o[row : row + C, hv, V // 2 : V])
+
     @T.prim_func
     def chunk_fwd(
         q: T.Tensor((NT, H, K), dt),
@@ -518,15 +536,7 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                     # the last chunk's output leaves while the tensor cores work (a chunk
                     # before the item's last is a full one)
                     if c > 0 and ci > out_chunk:
-                        T.tma_store_wait()  # the bulk store before it has read o_s (its issuing thread)
-                        T.sync_threads(BAR_STATE + wg, WG)
-                        out_tile_store(o_s, ob_f, tx, wg)
-                        T.fence_proxy_async()
-                        T.sync_threads(BAR_STATE + wg, WG)  # o_s written
-                        if tx < WG:
-                            T.tma_copy(o_s[:, 0 : V // 2], o[cs - C : cs, hv, 0 : V // 2])
-                        else:
-                            T.tma_copy(o_s[:, V // 2 : V], o[cs - C : cs, hv, V // 2 : V])
+                        out_bulk_store(o_s, ob_f, o, cs - C, hv, tx, wg)
                     T.barrier_wait(p_ready[st], (c // 2) % 2)
                     T.wait_wgmma(0)
                     for i, j in T.Parallel(V, C):
@@ -570,15 +580,7 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                     cs = bos + (end_chunk - 1) * C
                     L = T.min(eos - cs, C)
                     if L == C:
-                        T.tma_store_wait()
-                        T.sync_threads(BAR_STATE + wg, WG)
-                        out_tile_store(o_s, ob_f, tx, wg)
-                        T.fence_proxy_async()
-                        T.sync_threads(BAR_STATE + wg, WG)  # o_s written
-                        if tx < WG:
-                            T.tma_copy(o_s[:, 0 : V // 2], o[cs : cs + C, hv, 0 : V // 2])
-                        else:
-                            T.tma_copy(o_s[:, V // 2 : V], o[cs : cs + C, hv, V // 2 : V])
+                        out_bulk_store(o_s, ob_f, o, cs, hv, tx, wg)
                     else:
                         for i, j in T.Parallel(V, C):
                             if j < L:

@@ -25,10 +25,23 @@ def _slots(src, pattern):
     return sorted(int(s) for s in re.findall(pattern, src))
 
 
+def _stamps_in_macros(src):
+    """Stamp calls inside the kernels' own T.macro bodies: there the stamp's arguments (trace,
+    the block and chunk indices) are not defined, which only the GPU machine would report."""
+    found = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.FunctionDef) and node.name != "stamp" and any(
+                ast.unparse(d) == "T.macro" for d in node.decorator_list):
+            found += [node.name for call in ast.walk(node)
+                      if isinstance(call, ast.Call) and ast.unparse(call.func) == "stamp"]
+    return found
+
+
 def test_every_stamp_lands_in_the_current_kernels(capsys):
     src = variants.traced_source()
     assert "skipped" not in capsys.readouterr().err
     ast.parse(src)
+    assert _stamps_in_macros(src) == []
     fwd = _slots(src, r"stamp\(trace, wi, hv, c, (\d+)\)")
     prep = _slots(src, r"stamp\(trace, ic, hv, (\d+)\)")
     assert fwd == sorted(slot for _, slot, _, _ in variants.FWD_STAMPS)
@@ -72,6 +85,7 @@ def test_the_state_timeline_stamps_each_state_warpgroup_apart(capsys):
     assert "skipped" not in capsys.readouterr().err
     assert variants.FWD_STAMPS == saved  # the shared table is left as it was
     ast.parse(src)
+    assert _stamps_in_macros(src) == []
     slots = _slots(src, r"stamp\(trace, wi, hv, c, (\d+) \+ 16 \* \(tx // WG\)\)")
     assert slots == sorted(slot for _, slot, _, _ in mod.STAMPS)
     assert max(slots) < 16 and set(slots) <= set(mod.NAMES)

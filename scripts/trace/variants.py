@@ -32,8 +32,7 @@ FWD_STAMPS = [
     ("T.wait_wgmma(0)", 7, 3, False),
     ("T.barrier_arrive(p_free[st])", 8, 1, False),
     ("T.barrier_arrive(empty[st])", 9, 1, False),
-    ("T.fence_proxy_async()", 10, 1, True),
-    ("T.tma_copy(o_s[:, V // 2 : V]", 11, 1, False),
+    ("out_bulk_store(o_s, ob_f, o, cs - C, hv, tx, wg)", 10, 1, False),
     ("T.barrier_wait(full[st], (c // 2) % 2)", 16, 2, False),
     ("T.barrier_wait(p_free[st], ((c // 2) % 2) ^ 1)", 17, 1, False),
     ("T.gemm(q_s[st, :, :], k_s[st, :, :], p_f", 18, 1, False),
@@ -42,8 +41,8 @@ FWD_STAMPS = [
     ("T.barrier_wait(empty[st], ((c // 2) % 2) ^ 1)", 24, 1, False),
 ]
 FWD_NAMES = {0: "S full", 1: "S cast", 2: "S p_ready", 3: "S X,O done", 4: "S U issued", 5: "S U done",
-             6: "S casts", 7: "S update done", 8: "S ob", 9: "S empty", 10: "S o_s written",
-             11: "S stored (WG1)", 16: "P full", 17: "P p_free", 18: "P qk done", 19: "P stored", 20: "P ready",
+             6: "S casts", 7: "S update done", 8: "S ob", 9: "S empty", 10: "S last output stored",
+             16: "P full", 17: "P p_free", 18: "P qk done", 19: "P stored", 20: "P ready",
              24: "L empty"}
 FWD_TC, FWD_NSLOT = 24, 32  # chunks traced per work item, slots per chunk
 
