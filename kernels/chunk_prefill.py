@@ -494,11 +494,23 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             pdl_sync()
             if first > 0:
                 decay = 0.0
-                for c in T.serial(out_chunk - first):
-                    decay = decay + g_cum[row0 + first + c, hv, C - 1]
+                # four chunks' loads in flight at once (this is on every warm-up item's path
+                # to its first chunk)
+                for c4 in T.serial(T.ceildiv(out_chunk - first, 4)):
+                    for u in T.unroll(4):
+                        if c4 * 4 + u < out_chunk - first:
+                            decay = decay + g_cum[row0 + first + c4 * 4 + u, hv, C - 1]
                 if decay > warmup_log_threshold:
                     first = 0
             nchunks = end_chunk - first
+            # The roles' chunk loops, twice each (a Python loop, expanded when the kernel is
+            # built): the warm-up chunks of an AutoCP item (before its first output chunk) take
+            # only the state's chain (no S q^T, no P, no v'^T P^T, nothing stored), the output
+            # chunks everything. One loop with the output steps under a branch would not do:
+            # ptxas serialises every wgmma of the kernel when an accumulator's definition is
+            # conditional.
+            nwarm = out_chunk - first
+            CHUNK_LOOPS = ((False, 0, nwarm), (True, nwarm, nchunks))
 
             tx = T.get_thread_binding()
             if tx < 2 * WG:
@@ -519,62 +531,69 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                 wg = tx // WG
                 if wg == 1:
                     T.named_barrier_arrive(TURN, 2 * WG)
-                for c in T.serial(nchunks):
-                    st = c % 2
-                    ci = first + c
-                    cs = bos + ci * C
-                    L = T.min(eos - cs, C)
-                    T.barrier_wait(full[st], (c // 2) % 2)
-                    # both products of the state's bf16 copy at once (its registers stay live
-                    # until both are done: the U products wait, for the register budget)
-                    for i, d in T.Parallel(V, K):
-                        Sb_f[i, d] = T.cast(S_f[i, d], dt)
-                    T.sync_threads(TURN + wg, 2 * WG)
-                    T.wgmma_gemm(Sb_f, k_s[st, :, :], x_f, transpose_B=True, policy=ROWS, clear_accum=True)
-                    T.wgmma_gemm(Sb_f, q_s[st, :, :], o_f, transpose_B=True, policy=ROWS, clear_accum=True)
-                    T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
-                    # the last chunk's output leaves while the tensor cores work (a chunk
-                    # before the item's last is a full one)
-                    if c > 0 and ci > out_chunk:
-                        out_bulk_store(o_s, ob_f, o, cs - C, hv, tx, wg)
-                    T.barrier_wait(p_ready[st], (c // 2) % 2)
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(V, C):
-                        xb_f[i, j] = T.cast(x_f[i, j] * fac_s[st, 0, j], dt)
-                    # v'^T = v^T Tb^T + xb Tb^T; the decays of S and of S q^T meanwhile
-                    T.sync_threads(TURN + wg, 2 * WG)
-                    T.wgmma_gemm(v_s[st, :, :], t_s[st, :, :], u_f, transpose_A=True, transpose_B=True,
-                                 policy=ROWS, clear_accum=True)
-                    T.wgmma_gemm(xb_f, t_s[st, :, :], u_f, transpose_B=True, policy=ROWS)
-                    T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
-                    g_last = T.exp2(g_s[st, L - 1] * LOG2E)  # the state's decay over the chunk
-                    for i, d in T.Parallel(V, K):
-                        S_f[i, d] = S_f[i, d] * g_last
-                    for i, j in T.Parallel(V, C):
-                        o_f[i, j] = o_f[i, j] * fac_s[st, 2, j]
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(V, C):
-                        ub_f[i, j] = T.cast(u_f[i, j] * fac_s[st, 1, j], dt)
-                        vb_f[i, j] = T.cast(u_f[i, j], dt)
-                    T.sync_threads(TURN + wg, 2 * WG)
-                    T.wgmma_gemm(ub_f, k_s[st, :, :], S_f, policy=ROWS)
-                    T.wgmma_gemm(vb_f, p_s[st, :, :], o_f, transpose_B=True, policy=ROWS)
-                    T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
-                    T.wait_wgmma(0)
-                    # P, the factors and the stage's tiles all read: one arrival per warp
-                    T.sync_warp()
-                    if tx % 32 == 0:
-                        T.barrier_arrive(p_free[st])
-                        T.barrier_arrive(empty[st])
-                    for i, j in T.Parallel(V, C):
-                        ob_f[i, j] = T.cast(o_f[i, j], dt)
-                    if ckpt_every_chunks > 0:
-                        if ci >= out_chunk and L == C and (ci + 1) % ckpt_every_chunks == 0:
-                            # a variable, not an expression: TileLang inlines a plain binding into
-                            # every element's address (a global load and an int64 division each)
-                            ck_row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
-                            for i, d in T.Parallel(V, K):
-                                checkpoints[ck_row, hv, i, d] = S_f[i, d]
+                for with_output, c_begin, c_end in CHUNK_LOOPS:
+                    for c in T.serial(c_begin, c_end):
+                        st = c % 2
+                        ci = first + c
+                        cs = bos + ci * C
+                        L = T.min(eos - cs, C)
+                        T.barrier_wait(full[st], (c // 2) % 2)
+                        # both products of the state's bf16 copy at once (its registers stay live
+                        # until both are done: the U products wait, for the register budget)
+                        for i, d in T.Parallel(V, K):
+                            Sb_f[i, d] = T.cast(S_f[i, d], dt)
+                        T.sync_threads(TURN + wg, 2 * WG)
+                        T.wgmma_gemm(Sb_f, k_s[st, :, :], x_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                        if with_output:
+                            T.wgmma_gemm(Sb_f, q_s[st, :, :], o_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                        T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
+                        if with_output:
+                            # the last chunk's output leaves while the tensor cores work (a chunk
+                            # before the item's last is a full one)
+                            if ci > out_chunk:
+                                out_bulk_store(o_s, ob_f, o, cs - C, hv, tx, wg)
+                        T.barrier_wait(p_ready[st], (c // 2) % 2)
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(V, C):
+                            xb_f[i, j] = T.cast(x_f[i, j] * fac_s[st, 0, j], dt)
+                        # v'^T = v^T Tb^T + xb Tb^T; the decays of S and of S q^T meanwhile
+                        T.sync_threads(TURN + wg, 2 * WG)
+                        T.wgmma_gemm(v_s[st, :, :], t_s[st, :, :], u_f, transpose_A=True, transpose_B=True,
+                                     policy=ROWS, clear_accum=True)
+                        T.wgmma_gemm(xb_f, t_s[st, :, :], u_f, transpose_B=True, policy=ROWS)
+                        T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
+                        g_last = T.exp2(g_s[st, L - 1] * LOG2E)  # the state's decay over the chunk
+                        for i, d in T.Parallel(V, K):
+                            S_f[i, d] = S_f[i, d] * g_last
+                        if with_output:
+                            for i, j in T.Parallel(V, C):
+                                o_f[i, j] = o_f[i, j] * fac_s[st, 2, j]
+                        T.wait_wgmma(0)
+                        for i, j in T.Parallel(V, C):
+                            ub_f[i, j] = T.cast(u_f[i, j] * fac_s[st, 1, j], dt)
+                            if with_output:
+                                vb_f[i, j] = T.cast(u_f[i, j], dt)
+                        T.sync_threads(TURN + wg, 2 * WG)
+                        T.wgmma_gemm(ub_f, k_s[st, :, :], S_f, policy=ROWS)
+                        if with_output:
+                            T.wgmma_gemm(vb_f, p_s[st, :, :], o_f, transpose_B=True, policy=ROWS)
+                        T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
+                        T.wait_wgmma(0)
+                        # P, the factors and the stage's tiles all read: one arrival per warp
+                        T.sync_warp()
+                        if tx % 32 == 0:
+                            T.barrier_arrive(p_free[st])
+                            T.barrier_arrive(empty[st])
+                        if with_output:
+                            for i, j in T.Parallel(V, C):
+                                ob_f[i, j] = T.cast(o_f[i, j], dt)
+                            if ckpt_every_chunks > 0:
+                                if L == C and (ci + 1) % ckpt_every_chunks == 0:
+                                    # a variable, not an expression: TileLang inlines a plain binding into
+                                    # every element's address (a global load and an int64 division each)
+                                    ck_row = ckpt_offsets[n] + (ci + 1) // ckpt_every_chunks - 1
+                                    for i, d in T.Parallel(V, K):
+                                        checkpoints[ck_row, hv, i, d] = S_f[i, d]
                 # the item's last chunk's output (full or partial)
                 if end_chunk > out_chunk:
                     cs = bos + (end_chunk - 1) * C
@@ -593,33 +612,36 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                 # ---------------- P and the per-token factors
                 if SET_P:
                     T.set_max_nreg(NREG_P, INC_P)
-                for c in T.serial(nchunks):
-                    st = c % 2
-                    ci = first + c
-                    L = T.min(eos - (bos + ci * C), C)
-                    T.barrier_wait(full[st], (c // 2) % 2)
-                    T.barrier_wait(p_free[st], ((c // 2) % 2) ^ 1)
-                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                    # Branch-free, so that the gate loads issue together: masked entries take
-                    # p = 0 and a clamped exponent (G_i - G_j <= 0 where i >= j; elsewhere it
-                    # could overflow, and inf * 0 is NaN).
-                    # (rows scaled by scale / |q_i|, the output's factor)
-                    for i, j in T.Parallel(C, C):
-                        pb_f[i, j] = T.if_then_else(T.And(i >= j, j < L), p_f[i, j], 0.0) * T.exp2(
-                            T.min(g_s[st, i] - g_s[st, j], 0.0) * LOG2E) * (rn_s[st, 1, j] * (scale * rn_s[st, 0, i]))
-                    T.copy(pb_f, p_s[st, :, :])
-                    j = tx - 2 * WG
-                    if j < C:
-                        fac_s[st, 0, j] = -T.exp2(g_s[st, j] * LOG2E) * rn_s[st, 1, j]
-                        fac_s[st, 1, j] = T.if_then_else(
-                            j < L, T.exp2((g_s[st, L - 1] - g_s[st, j]) * LOG2E), 0.0) * rn_s[st, 1, j]
-                        fac_s[st, 2, j] = T.exp2(g_s[st, j] * LOG2E) * (scale * rn_s[st, 0, j])
-                    T.fence_proxy_async()
-                    # one arrival per warp (each warp's reads and writes done first)
-                    T.sync_warp()
-                    if tx % 32 == 0:
-                        T.barrier_arrive(p_ready[st])
-                        T.barrier_arrive(empty[st])
+                for with_output, c_begin, c_end in CHUNK_LOOPS:
+                    for c in T.serial(c_begin, c_end):
+                        st = c % 2
+                        ci = first + c
+                        L = T.min(eos - (bos + ci * C), C)
+                        T.barrier_wait(full[st], (c // 2) % 2)
+                        T.barrier_wait(p_free[st], ((c // 2) % 2) ^ 1)
+                        if with_output:
+                            T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                            # Branch-free, so that the gate loads issue together: masked entries take
+                            # p = 0 and a clamped exponent (G_i - G_j <= 0 where i >= j; elsewhere it
+                            # could overflow, and inf * 0 is NaN).
+                            # (rows scaled by scale / |q_i|, the output's factor)
+                            for i, j in T.Parallel(C, C):
+                                pb_f[i, j] = T.if_then_else(T.And(i >= j, j < L), p_f[i, j], 0.0) * T.exp2(
+                                    T.min(g_s[st, i] - g_s[st, j], 0.0) * LOG2E) * (rn_s[st, 1, j] * (scale * rn_s[st, 0, i]))
+                            T.copy(pb_f, p_s[st, :, :])
+                        j = tx - 2 * WG
+                        if j < C:
+                            fac_s[st, 0, j] = -T.exp2(g_s[st, j] * LOG2E) * rn_s[st, 1, j]
+                            fac_s[st, 1, j] = T.if_then_else(
+                                j < L, T.exp2((g_s[st, L - 1] - g_s[st, j]) * LOG2E), 0.0) * rn_s[st, 1, j]
+                            if with_output:
+                                fac_s[st, 2, j] = T.exp2(g_s[st, j] * LOG2E) * (scale * rn_s[st, 0, j])
+                        T.fence_proxy_async()
+                        # one arrival per warp (each warp's reads and writes done first)
+                        T.sync_warp()
+                        if tx % 32 == 0:
+                            T.barrier_arrive(p_ready[st])
+                            T.barrier_arrive(empty[st])
             else:
                 # ---------------- the producer
                 if SET_PRODUCER:
@@ -773,7 +795,8 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
     if plan.context_parallel is not None:
         # Several work items of one sequence run at once and the last one writes the final
         # state into the slot the others read their start state from: they read a snapshot.
-        h0_pool = state_pool[state_indices.long()].contiguous()
+        # (index_select takes the int32 indices as they are: no cast kernel)
+        h0_pool = torch.index_select(state_pool, 0, state_indices)
         h0_stride = h0_pool.stride(0)
         h0_pool = h0_pool.view(-1)
         h0_slots = plan.extras.get("_seq_ids")

@@ -5,7 +5,8 @@
 --base is a git revision, or a file with that revision's kernels/chunk_prefill.py (the GPU
 machine's copy of the tree has no history: `git show REV:kernels/chunk_prefill.py > f.py`).
 
-Same inputs, same plan, CUDA-event medians of 50 calls after 5; prints each time, the speed-up
+Same inputs, same plan, CUDA-event medians of 50 calls after 5 (eager, or CUDA-graph replays with
+--graph); prints each time, the speed-up
 and the largest output difference (--kernels: each kernel's median too, `prep` and
 `chunk_fwd`). --compile-only fills TileLang's cache here. Measurement only: the benchmark of
 record is `qla-serving bench prefill`.
@@ -25,6 +26,7 @@ def main(argv):
     ap.add_argument("--base-nregs", default=None, help="role registers of the base (its configs.py may differ)")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="also each kernel's median time")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (as the benchmark's graph rows)")
     ap.add_argument("cells", nargs="+")
     args = ap.parse_args(argv)
     base = variants.load("qla_prefill_base", variants.baseline_source(args.base, args.base_nregs))
@@ -46,7 +48,7 @@ def main(argv):
         for m in (base, head):
             m.warmup(hqk, hv)
             f, out, pool = variants.op_call(m, x, plan, hv)
-            ms = median_ms(f, warmup=5, iters=50)
+            ms = median_ms(f, warmup=5, iters=50, graph=args.graph)
             pool.zero_()  # the outputs compared come from one call on a zero initial state
             f()
             torch.cuda.synchronize()
