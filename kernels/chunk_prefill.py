@@ -169,9 +169,8 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # beta <= 1; largest seen 2.0 over 1000 random, rank-2 and repeated-k chunks).
             # H200, 16/64 8x4096: prep 0.995 -> 0.687 ms, outputs within 4.9e-4 of tf32's
             Dinv_s = T.alloc_shared((C, C), MERGE_DTYPE)  # inverse of the 16x16 diagonal blocks
-            N_s = T.alloc_shared((C, C), MERGE_DTYPE)  # N, then R
+            N_s = T.alloc_shared((C, C), MERGE_DTYPE)  # N
             X_s = T.alloc_shared((C, C), MERGE_DTYPE)  # P
-            U_s = T.alloc_shared((C, C), MERGE_DTYPE)  # I - P
             W_s = T.alloc_shared((C, C), MERGE_DTYPE)  # I + P^2
             P_f = T.alloc_fragment((C, C), f32)
             # element-wise results on their way to shared memory (never written into a wgmma
@@ -245,7 +244,10 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             for i, j in T.Parallel(C, C):  # (A_f is the wgmma accumulator: written only by wgmma)
                 M_f[i, j] = T.if_then_else(i > j, A_f[i, j] * T.exp2(ea_s[i] + eb_s[j]), 0.0)
             for i, j in T.Parallel(C, C):
-                A_s[i, j] = M_f[i, j]
+                # only the diagonal blocks, which the substitution reads (a warp's rows are one
+                # block row: the condition is uniform over each of its stores)
+                if i // BLK == j // BLK:
+                    A_s[i, j] = M_f[i, j]
                 # N: the strictly block-lower part of A
                 N_s[i, j] = T.cast(T.if_then_else(i // BLK > j // BLK, M_f[i, j], 0.0), MERGE_DTYPE)
 
@@ -263,23 +265,26 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # ---- merge: (I + A) = D (I + P) with P = D^-1 N, N the strictly block-lower
             # part; P^4 = 0, so (I + A)^-1 = (I - P)(I + P^2) D^-1. Four 64x64x64 wgmma, each
             # clearing its accumulator; the element-wise steps only read it.
-            # Each operand goes to shared memory from an fp16 fragment by one T.copy (stmatrix:
-            # four instructions per thread, where element-wise stores took 32 two-byte ones).
+            # A left factor that is an earlier product stays in registers (an fp16 fragment in
+            # the accumulator's layout is wgmma's register A operand): only right factors go to
+            # shared memory, each from an fp16 fragment by one T.copy (stmatrix: four
+            # instructions per thread, where element-wise stores took 32 two-byte ones).
+            # (Nsight Compute, H200 16/64 8x4096: prep is bound by its shared-memory pipe, L1
+            # 86% busy, 1816 wavefronts per block; this takes 320 of them and two stmatrix
+            # copies, fences and barriers out.)
             T.gemm(Dinv_s, N_s, P_f, clear_accum=True)  # P
             for i, j in T.Parallel(C, C):
                 Mh_f[i, j] = T.cast(P_f[i, j], MERGE_DTYPE)
                 Mh2_f[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) - P_f[i, j], MERGE_DTYPE)
             T.copy(Mh_f, X_s)
-            T.copy(Mh2_f, U_s)
-            T.gemm(X_s, X_s, P_f, clear_accum=True)  # P^2
+            T.gemm(Mh_f, X_s, P_f, clear_accum=True)  # P^2
             for i, j in T.Parallel(C, C):
                 Mh_f[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + P_f[i, j], MERGE_DTYPE)
             T.copy(Mh_f, W_s)
-            T.gemm(U_s, W_s, P_f, clear_accum=True)  # R = (I - P)(I + P^2)
+            T.gemm(Mh2_f, W_s, P_f, clear_accum=True)  # R = (I - P)(I + P^2)
             for i, j in T.Parallel(C, C):
                 Mh_f[i, j] = T.cast(P_f[i, j], MERGE_DTYPE)
-            T.copy(Mh_f, N_s)
-            T.gemm(N_s, Dinv_s, P_f, clear_accum=True)  # T = R D^-1
+            T.gemm(Mh_f, Dinv_s, P_f, clear_accum=True)  # T = R D^-1
 
             # ---- T diag(beta): v' = T diag(beta) (v - exp(G) k h) needs only this matrix
             # (rows past the chunk's end are zero: there k = 0 and beta = 0)
