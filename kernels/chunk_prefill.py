@@ -115,7 +115,6 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
     l2 = cfg.use_qk_l2norm
     NT = T.dynamic("num_tokens", "int64")
     NC = T.dynamic("num_chunks", "int64")
-    NS1 = T.dynamic("num_seqs_plus_one")
     BLK = 16  # diagonal block size of the triangular solve
 
     @T.macro
@@ -132,8 +131,7 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
         k: T.Tensor((NT, H, K), dt),
         g: T.Tensor((NT, HV), f32),
         beta: T.Tensor((NT, HV), bdt),
-        cu_seqlens: T.Tensor((NS1,), "int32"),
-        chunk_indices: T.Tensor((NC, 2), "int32"),
+        chunk_bounds: T.Tensor((NC, 2), "int32"),
         t_beta: T.Tensor((NC, HV, C, C), dt),
         g_cum: T.Tensor((NC, HV, C), f32),
         qk_rnorm: T.Tensor((NC, H, 2, C), f32),
@@ -146,9 +144,8 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
                 # blocks per SM promised to ptxas: caps registers at 64K / (min_blocks x threads)
                 T.annotate_min_blocks_per_sm(min_blocks)
             hk = hv // ratio
-            seq = chunk_indices[ic, 0]
-            bos = cu_seqlens[seq] + chunk_indices[ic, 1] * C
-            L = T.min(cu_seqlens[seq + 1] - bos, C)
+            bos = chunk_bounds[ic, 0]
+            L = T.min(chunk_bounds[ic, 1] - bos, C)
 
             k_s = T.alloc_shared((C, K), dt)
             q_s = T.alloc_shared((C, K), dt)
@@ -812,7 +809,7 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
         if h0_slots is None or h0_slots.device != dev:
             h0_slots = torch.arange(N, dtype=torch.int32, device=dev)
             plan.extras["_seq_ids"] = h0_slots
-    prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, qk_rnorm)
+    prep(q, k, g, beta, plan.chunk_bounds, t_beta, g_cum, qk_rnorm)
     fwd(q, k, v, t_beta, g_cum, qk_rnorm, cu, plan.chunk_offsets, items, plan.checkpoint_offsets,
         has_initial_state.view(torch.uint8), h0_slots, h0_pool, h0_stride, state_indices, flat_pool,
         state_pool.stride(0), every_chunks, ckpt, float(LOG_DECAY_THRESHOLD), float(scale), out)

@@ -28,6 +28,9 @@ class PrefillPlan:
             counts; sequence ``i`` owns chunks ``chunk_offsets[i] : chunk_offsets[i + 1]``.
         chunk_indices: ``[num_chunks, 2]`` int32 on ``device`` — ``(sequence, chunk within
             sequence)`` of every chunk, in order.
+        chunk_bounds: ``[num_chunks, 2]`` int32 on ``device`` — ``(first token, end of its
+            sequence)`` of every chunk: a kernel block finds its tokens with one table read
+            instead of two dependent ones (``chunk_indices``, then ``cu_seqlens``).
         checkpoint_every: tokens between checkpoints (a multiple of 64) or None.
         checkpoint_offsets_cpu / checkpoint_offsets: ``[N + 1]`` int32 — sequence ``i``
             writes its checkpoints to rows ``checkpoint_offsets[i] : checkpoint_offsets[i + 1]``.
@@ -45,6 +48,7 @@ class PrefillPlan:
     chunk_offsets_cpu: torch.Tensor
     chunk_offsets: torch.Tensor
     chunk_indices: torch.Tensor
+    chunk_bounds: torch.Tensor
     checkpoint_every: int | None
     checkpoint_offsets_cpu: torch.Tensor
     checkpoint_offsets: torch.Tensor
@@ -139,6 +143,8 @@ def plan_prefill(
     seq_of_chunk = torch.repeat_interleave(torch.arange(lens.numel(), dtype=torch.int32), chunks)
     chunk_in_seq = torch.arange(seq_of_chunk.numel(), dtype=torch.int32) - chunk_offsets[seq_of_chunk.long()]
     chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1)
+    seq_long = seq_of_chunk.long()
+    chunk_bounds = torch.stack([cu[seq_long] + chunk_in_seq * chunk_size, cu[seq_long + 1]], dim=1).to(torch.int32)
     ckpt_offsets = torch.zeros(cu.numel(), dtype=torch.int32)
     if checkpoint_every:
         ckpt_offsets[1:] = (lens // checkpoint_every).cumsum(0)
@@ -166,6 +172,7 @@ def plan_prefill(
         chunk_offsets_cpu=chunk_offsets,
         chunk_offsets=to_device(chunk_offsets),
         chunk_indices=to_device(chunk_indices.contiguous()),
+        chunk_bounds=to_device(chunk_bounds.contiguous()),
         checkpoint_every=checkpoint_every,
         checkpoint_offsets_cpu=ckpt_offsets,
         checkpoint_offsets=to_device(ckpt_offsets),

@@ -17,9 +17,11 @@ def test_chunk_tables_cover_every_token():
         assert plan.num_checkpoints == sum(L // 128 for L in lengths)
         assert plan.seq_lens == lengths and plan.total_tokens == sum(lengths)
         seen = []
+        bounds = plan.chunk_bounds.tolist()
         for c, (seq, j) in enumerate(plan.chunk_indices.tolist()):
             start = int(cu[seq]) + 64 * j
             assert plan.chunk_offsets_cpu[seq] + j == c and start < cu[seq + 1]
+            assert bounds[c] == [start, int(cu[seq + 1])]
             seen.extend(range(start, min(start + 64, int(cu[seq + 1]))))
         assert seen == list(range(sum(lengths)))
 

@@ -12,6 +12,7 @@ If an anchor is gone (the kernel changed), ``AnchorError`` names it: update the 
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -58,9 +59,9 @@ PREP_STAMPS = [
     ("for i, j in T.Parallel(C, C):  # (A_f is the wgmma accumulator", 4, True, None),
     ("# ---- inverse of the 16x16 diagonal blocks", 6, True, None), ("# ---- merge: (I + A)", 7, True, None),
     ("T.gemm(Dinv_s, N_s, P_f, clear_accum=True)  # P", 8, False, None),
-    ("T.gemm(X_s, X_s, P_f, clear_accum=True)  # P^2", 9, False, None),
-    ("T.gemm(U_s, W_s, P_f, clear_accum=True)  # R = (I - P)(I + P^2)", 10, False, None),
-    ("T.gemm(N_s, Dinv_s, P_f, clear_accum=True)  # T = R D^-1", 11, False, None),
+    ("T.gemm(Mh_f, X_s, P_f, clear_accum=True)  # P^2", 9, False, None),
+    ("T.gemm(Mh2_f, W_s, P_f, clear_accum=True)  # R = (I - P)(I + P^2)", 10, False, None),
+    ("T.gemm(Mh_f, Dinv_s, P_f, clear_accum=True)  # T = R D^-1", 11, False, None),
     ("T.tma_copy(Tb_s, t_beta[ic, hv, :, :])", 12, False, None),
     ("    return prep", 13, True, " " * 12),
 ]
@@ -201,8 +202,7 @@ def traced_source(src: str | None = None) -> str:
                 trace[((T.cast(wi, "int64") * HV + hv) * FWD_TC + c) * FWD_NSLOT + slot] = T.call_extern("int64", "clock64")
 ''', [(a, s, n, b, None) for a, s, n, b in FWD_STAMPS], "stamp(trace, wi, hv, c, {})")
     tail = src[c:]
-    tail = tail.replace("prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, qk_rnorm)",
-                        "prep(q, k, g, beta, cu, plan.chunk_indices, t_beta, g_cum, qk_rnorm, TRACE['prep'])")
+    tail = re.sub(r"(\n    prep\([^)]*t_beta, g_cum, qk_rnorm)\)", r"\1, TRACE['prep'])", tail, count=1)
     tail = tail.replace("float(LOG_DECAY_THRESHOLD), float(scale), out)", "float(LOG_DECAY_THRESHOLD), float(scale), out, TRACE['fwd'])")
     return src[:a] + prep + fwd + tail
 
