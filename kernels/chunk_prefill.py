@@ -12,8 +12,9 @@ batch composition compiles nothing and syncs nothing.
   inverse q/k L2 norms (``[chunks, H, 2, 64]``, written once per q/k head; q and k themselves
   stay raw), ``A = strict_lower(beta k k^T exp(G_i - G_j))``,
   ``T = (I + A)^-1`` (16x16 diagonal blocks by forward substitution in registers, merged with
-  four fp16 products), ``T diag(beta)`` — 8 KiB per chunk and head, in a per-chunk table
-  ``[chunks, HV, 64, 64]`` next to the gate cumsum ``[chunks, HV, 64]``.
+  four fp16 products, three of them with the left factor in registers), ``T diag(beta)`` —
+  8 KiB per chunk and head, in a per-chunk table ``[chunks, HV, 64, 64]`` next to the gate
+  cumsum ``[chunks, HV, 64]``.
 * ``chunk_fwd`` — grid (1, value head, work item): the serial chunk-to-chunk pass with the
   output fused in, the state kept in registers (fp32) for the whole item. Three roles hand off
   through mbarriers: the state (two warpgroups, each 64 rows of V of S in its accumulators;
@@ -36,10 +37,10 @@ Work items and AutoCP: ``chunk_fwd`` runs one item per block column, ``(sequence
 chunk, first output chunk, end chunk)`` from the plan. Without context parallelism an item
 is a whole sequence. With it (``qla_serving.ops.gated_delta_rule.context_parallel``), a
 long sequence is several items that run side by side; an item starting inside the sequence
-begins from a zero state a few warm-up chunks before its first output chunk. Whether that
-warm-up is exact enough is decided in the kernel, per head, from the actual gates: where the
-window's total log decay is above the threshold, the item replays from the sequence start
-instead (exact, no speedup for that head).
+begins from a zero state a few warm-up chunks before its first output chunk (those chunks run
+only the state's chain: no P, no output). Whether that warm-up is exact enough is decided in
+the kernel, per head, from the actual gates: where the window's total log decay is above the
+threshold, the item replays from the sequence start instead (exact, no speedup for that head).
 
 All matrix products are ``T.gemm`` / ``T.wgmma_gemm`` on 64-row tiles per warpgroup, lowered
 to wgmma (HGMMA in the SASS, no HMMA). The triangular merge's four products take fp16 operands: fp32 ones went to mma.sync
