@@ -70,6 +70,28 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 10, iters: int = 100, g
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def gpu_clock_state() -> dict:
+    """The GPU's SM clock (MHz) and active clock-throttle reasons (NVML bit mask, e.g. 0x4 the
+    software power cap) read now, right after a measurement; empty where nvidia-smi is missing.
+
+    Our prefill kernels can run under the power cap where other libraries do not (H200:
+    ~1.75 GHz after ours, 1.98 GHz after FlashInfer's at 16/64 heads,
+    ``e2e_bench/results/2026-11-22-nvidia-h200-prefill-power-check.log``): the results rows
+    carry the reading so that a grid shows it.
+    """
+    import subprocess
+
+    try:
+        cmd = ["nvidia-smi", "--query-gpu=clocks.sm,clocks_throttle_reasons.active", "--format=csv,noheader,nounits"]
+        if torch.cuda.is_available():
+            cmd.append(f"--id={torch.cuda.current_device()}")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        mhz, reasons = (x.strip() for x in r.stdout.strip().splitlines()[0].split(","))
+        return {"sm_mhz": int(mhz), "throttle": reasons}
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return {}
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

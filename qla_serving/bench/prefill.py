@@ -231,7 +231,7 @@ def main(argv=None) -> int:
                         traceback.print_exc(limit=2)
                         torch.cuda.synchronize()
                         continue
-                    rows.append(dict(cell, impl=impl, mode=mode, ms=round(ms, 4)))
+                    rows.append(dict(cell, impl=impl, mode=mode, ms=round(ms, 4), **common.gpu_clock_state()))
                     print(f"{hqk}/{hv} {batch:>11} {impl:>10} {mode:>5} {ms:8.3f} ms  (floor {floor:.3f})", flush=True)
                 del fn
             del x
