@@ -97,6 +97,20 @@ def test_planner_cost_model_prefers_one_wave():
     assert _makespan([512], 64, 132, None, 4, 64) == 512
 
 
+def test_planner_counts_whole_waves_of_equal_items():
+    """Blocks of equal length run in whole waves: 64 heads x (3 + 1) items of ~128 chunks are two
+    waves (264 chunk steps), x (9 + 3) items of ~43 are six (282); measured on an H200 the first
+    is the faster (docs/autocp.md), and the planner picks it."""
+    from qla_serving.ops.gated_delta_rule.context_parallel import _makespan
+
+    assert _makespan([384, 128], 64, 132, 128, 4, 32) == 2 * 132
+    assert _makespan([384, 128], 64, 132, 43, 4, 32) == 6 * 47
+    # very different lengths (one 64-chunk item among 500 one-chunk sequences): list scheduling
+    # (the work over the SMs plus half the long item), not 243 waves of the longest
+    assert _makespan([64], 64, 132, None, 4, 32, (1, 500, 500)) == (500 + 64) * 64 / 132 + 32
+    assert plan_context_parallel([24576, 8192], 64, 132).segment_tokens == 8192
+
+
 def test_planner_is_deterministic_and_validates_overrides():
     a = plan_context_parallel([24576, 8192], 16, 132)
     b = plan_context_parallel([24576, 8192], 16, 132)

@@ -80,8 +80,14 @@ def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int
     One block per (work item, value head) and one block per SM (the fused kernel's shared
     memory), every chunk step about the same time (measured on H100: ~8.3 us per chunk and
     block), warm-up steps counted like the others. All blocks in one wave: the longest item.
-    More blocks than SMs: the total work over the SMs plus half an item for the last wave's
-    raggedness (list scheduling ends within one item of the average).
+    More blocks than SMs: the smaller of two estimates. Blocks of nearly equal length run in
+    waves of one block per SM, ``ceil(blocks / SMs)`` times the longest item (a last wave of a
+    few blocks costs a whole item); blocks of very different lengths (a long split sequence
+    among short ones) are list-scheduled, the total work over the SMs plus half an item for
+    the last wave's raggedness. The wave term was added after forced segment lengths on an
+    H200 (docs/autocp.md): the older estimate alone picked 2752 tokens at 16/64 heads
+    24576+8192, 1.037x slower than the 8192 that waves pick; every grid cell whose decision
+    the wave term changed measured 1.01-1.09x faster with it.
 
     ``unsplit`` is ``(longest, total, count)`` of sequences never split (shorter than
     ``min_cp_chunks``), summarised once by the caller instead of walked per candidate.
@@ -98,7 +104,8 @@ def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int
         blocks += len(items) * num_v_heads
     if blocks <= sm_count:
         return float(longest)
-    return max(longest, total * num_v_heads / sm_count) + longest / 2
+    waves = -(-blocks // sm_count)
+    return min(float(waves * longest), max(longest, total * num_v_heads / sm_count) + longest / 2)
 
 
 # Blocks per (work item, value head) of chunk_fwd: one, the whole V = 128 in one block
