@@ -85,7 +85,7 @@ def gpu_clock_state() -> dict:
         cmd = ["nvidia-smi", "--query-gpu=clocks.sm,clocks_throttle_reasons.active", "--format=csv,noheader,nounits"]
         if torch.cuda.is_available():
             cmd.append(f"--id={torch.cuda.current_device()}")
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=10)
         mhz, reasons = (x.strip() for x in r.stdout.strip().splitlines()[0].split(","))
         return {"sm_mhz": int(mhz), "throttle": reasons}
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):

@@ -24,8 +24,9 @@ def main(argv):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args(argv)
-    from qla_serving.bench.common import median_ms
     from qla_serving.kernels import chunk_prefill as m
+
+    from qla_serving.bench.common import median_ms
     from qla_serving.plan import plan_prefill
 
     for cell in args.cells:

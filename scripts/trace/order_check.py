@@ -12,7 +12,8 @@ import sys
 
 def gpu_state() -> str:
     q = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
-    r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True)
+    r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], check=False, capture_output=True,
+                       text=True)
     return r.stdout.strip()
 
 
