@@ -141,9 +141,9 @@ def plan_prefill(
     chunk_offsets = torch.zeros(cu.numel(), dtype=torch.int32)
     chunk_offsets[1:] = chunks.cumsum(0)
     seq_of_chunk = torch.repeat_interleave(torch.arange(lens.numel(), dtype=torch.int32), chunks)
-    chunk_in_seq = torch.arange(seq_of_chunk.numel(), dtype=torch.int32) - chunk_offsets[seq_of_chunk.long()]
-    chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1)
     seq_long = seq_of_chunk.long()
+    chunk_in_seq = torch.arange(seq_of_chunk.numel(), dtype=torch.int32) - chunk_offsets[seq_long]
+    chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1)
     chunk_bounds = torch.stack([cu[seq_long] + chunk_in_seq * chunk_size, cu[seq_long + 1]], dim=1).to(torch.int32)
     ckpt_offsets = torch.zeros(cu.numel(), dtype=torch.int32)
     if checkpoint_every:
