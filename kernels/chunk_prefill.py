@@ -414,6 +414,12 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
         else:
             T.tma_copy(o_s[:, V // 2 : V], o[row : row + C, hv, V // 2 : V])
 
+    @T.macro
+    def load_start_state(S_f, h0_pool, h0_slots, h0_slot_stride, n, hv):
+        # sequence n's start state for value head hv, fp32 into the state's accumulators
+        for i, d in T.Parallel(V, K):
+            S_f[i, d] = T.cast(h0_pool[T.cast(h0_slots[n], "int64") * h0_slot_stride + hv * (V * K) + i * K + d], f32)
+
     @T.prim_func
     def chunk_fwd(
         q: T.Tensor((NT, H, K), dt),
@@ -495,6 +501,14 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             # head's gate did not decay below the threshold over that window, the warm-up would
             # not be exact enough: the item replays from the sequence start instead (exact).
             first = work_items[wi, 1]
+            tx = T.get_thread_binding()
+            # The state role reads its start state before waiting on prep: the pool (or AutoCP's
+            # snapshot of it) is not prep's output, and the load overlaps prep's last blocks.
+            if tx < 2 * WG:
+                if first == 0 and has_initial_state[n] != 0:
+                    load_start_state(S_f, h0_pool, h0_slots, h0_slot_stride, n, hv)
+                else:
+                    T.clear(S_f)
             # prep's outputs (g_cum here, the producer's loads below) only after prep is done:
             # this kernel is launched as prep's programmatic dependent, so it may be resident
             # while prep's last blocks run
@@ -519,18 +533,14 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             nwarm = out_chunk - first
             CHUNK_LOOPS = ((False, 0, nwarm), (True, nwarm, nchunks))
 
-            tx = T.get_thread_binding()
             if tx < 2 * WG:
                 # ---------------- the state (two warpgroups)
                 if SET_STATE:
                     T.set_max_nreg(NREG_STATE, INC_STATE)
                 base = T.cast(state_indices[n], "int64") * slot_stride + hv * (V * K)
-                base0 = T.cast(h0_slots[n], "int64") * h0_slot_stride + hv * (V * K)
-                if first == 0 and has_initial_state[n] != 0:
-                    for i, d in T.Parallel(V, K):
-                        S_f[i, d] = T.cast(h0_pool[base0 + i * K + d], f32)
-                else:
-                    T.clear(S_f)
+                if first == 0 and work_items[wi, 1] > 0 and has_initial_state[n] != 0:
+                    # an AutoCP item whose head replays from the sequence start (above)
+                    load_start_state(S_f, h0_pool, h0_slots, h0_slot_stride, n, hv)
                 # The two warpgroups take turns issuing their products (each its half of V):
                 # while one's run on the tensor cores, the other does its element-wise steps.
                 # A turn is a named barrier the waiting warpgroup syncs on and the other arrives
