@@ -401,6 +401,22 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                               ob_f[v0 + 8, 16 * m + 8 + t0 + 1]))
 
     @T.macro
+    def v_tile_load(vt_f, v_s, st, tx, wg):
+        # v^T of the warpgroup's 64 rows of V (chunk x V in v_s) into vt_f, in the accumulators'
+        # layout, by ldmatrix .trans: per 8 x 8 tile (tokens x V) a thread gets one row of V and
+        # two tokens, as the accumulator holds them. Instruction m loads token blocks 2 m and
+        # 2 m + 1, each for the warp's two 8-row halves of V: lanes 8 q .. 8 q + 7 address tile
+        # q's eight token rows (16 bytes of V each), and the four results are the thread's
+        # values 8 m .. 8 m + 7.
+        lane = tx % 32
+        q4 = lane // 8
+        for m in T.unroll(4):
+            T.call_extern(
+                "handle", "tl::ptx_ldmatrix_x4_trans",
+                T.address_of(v_s[st, (2 * m + q4 // 2) * 8 + lane % 8, wg * 64 + ((tx % WG) // 32) * 16 + (q4 % 2) * 8]),
+                T.address_of(vt_f[wg * 64 + ((tx % WG) // 32) * 16 + lane // 4, 16 * m + (lane % 4) * 2]))
+
+    @T.macro
     def out_bulk_store(o_s, ob_f, o, row, hv, tx, wg):
         # A full chunk's output (rows row .. row + 63 of o): each state warpgroup puts its 64
         # columns in o_s and stores them by TMA on its own (no barrier between the two)
@@ -468,7 +484,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             o_s = T.alloc_shared((C, V), dt)  # a full chunk's output, for the bulk store
             # written by stmatrix .trans, eight tokens' 16-byte rows per tile: swizzled, so that
             # those rows do not share banks
-            T.annotate_layout({o_s: make_swizzled_layout(o_s)})
+            # v_s likewise (read by ldmatrix .trans, eight tokens' 16-byte rows per tile)
+            T.annotate_layout({o_s: make_swizzled_layout(o_s), v_s: make_swizzled_layout(v_s)})
             S_f = T.alloc_fragment((V, K), f32)
             Sb_f = T.alloc_fragment((V, K), dt)
             x_f = T.alloc_fragment((V, C), f32)
@@ -478,11 +495,13 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             vb_f = T.alloc_fragment((V, C), dt)
             ub_f = T.alloc_fragment((V, C), dt)
             ob_f = T.alloc_fragment((V, C), dt)
+            vt_f = T.alloc_fragment((V, C), dt)  # v^T (ldmatrix .trans from v_s)
             # the accumulators' layout (wgmma m64 per warpgroup, FullRow over the two), given
-            # here because out_tile_store reads a thread's values by their indices
-            T.annotate_layout({ob_f: Fragment(
+            # here because out_tile_store and v_tile_load address a thread's values by their indices
+            acc_layout = Fragment(
                 [V, C], forward_thread_fn=lambda i, j: (i // 64) * 128 + ((i % 64) // 16) * 32 + (i % 8) * 4 + (j % 8) // 2,
-                forward_index_fn=lambda i, j: (j // 8) * 4 + ((i % 16) // 8) * 2 + j % 2)})
+                forward_index_fn=lambda i, j: (j // 8) * 4 + ((i % 16) // 8) * 2 + j % 2)
+            T.annotate_layout({ob_f: acc_layout, vt_f: acc_layout})
             p_f = T.alloc_fragment((C, C), f32)
             pb_f = T.alloc_fragment((C, C), dt)
             first = T.alloc_var("int32")
@@ -571,13 +590,14 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                                 out_bulk_store(o_s, ob_f, o, cs - C, hv, tx, wg)
                         T.barrier_wait(p_ready[st], (c // 2) % 2)
                         T.wait_wgmma(0)
+                        v_tile_load(vt_f, v_s, st, tx, wg)
                         for i, j in T.Parallel(V, C):
-                            xb_f[i, j] = T.cast(x_f[i, j] * fac_s[st, 0, j], dt)
-                        # v'^T = v^T Tb^T + xb Tb^T; the decays of S and of S q^T meanwhile
+                            xb_f[i, j] = T.cast(x_f[i, j] * fac_s[st, 0, j] + T.cast(vt_f[i, j], f32), dt)
+                        # v'^T = (v^T + xb) Tb^T, one product (v^T taken into registers above; two
+                        # products, v^T Tb^T from shared memory, cost a second one per chunk); the
+                        # decays of S and of S q^T meanwhile
                         T.sync_threads(TURN + wg, 2 * WG)
-                        T.wgmma_gemm(v_s[st, :, :], t_s[st, :, :], u_f, transpose_A=True, transpose_B=True,
-                                     policy=ROWS, clear_accum=True)
-                        T.wgmma_gemm(xb_f, t_s[st, :, :], u_f, transpose_B=True, policy=ROWS)
+                        T.wgmma_gemm(xb_f, t_s[st, :, :], u_f, transpose_B=True, policy=ROWS, clear_accum=True)
                         T.named_barrier_arrive(TURN + 1 - wg, 2 * WG)
                         g_last = T.exp2(g_s[st, L - 1] * LOG2E)  # the state's decay over the chunk
                         for i, d in T.Parallel(V, K):
