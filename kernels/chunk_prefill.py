@@ -657,7 +657,17 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                         T.barrier_wait(full[st], (c // 2) % 2)
                         T.barrier_wait(p_free[st], ((c // 2) % 2) ^ 1)
                         if with_output:
-                            T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                            # q k^T on the tensor cores while the factors are made (below)
+                            T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                        j = tx - 2 * WG
+                        if j < C:
+                            fac_s[st, 0, j] = -T.exp2(g_s[st, j] * LOG2E) * rn_s[st, 1, j]
+                            fac_s[st, 1, j] = T.if_then_else(
+                                j < L, T.exp2((g_s[st, L - 1] - g_s[st, j]) * LOG2E), 0.0) * rn_s[st, 1, j]
+                            if with_output:
+                                fac_s[st, 2, j] = T.exp2(g_s[st, j] * LOG2E) * (scale * rn_s[st, 0, j])
+                        if with_output:
+                            T.wait_wgmma(0)
                             # Branch-free, so that the gate loads issue together: masked entries take
                             # p = 0 and a clamped exponent (G_i - G_j <= 0 where i >= j; elsewhere it
                             # could overflow, and inf * 0 is NaN).
@@ -666,13 +676,6 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                                 pb_f[i, j] = T.if_then_else(T.And(i >= j, j < L), p_f[i, j], 0.0) * T.exp2(
                                     T.min(g_s[st, i] - g_s[st, j], 0.0) * LOG2E) * (rn_s[st, 1, j] * (scale * rn_s[st, 0, i]))
                             T.copy(pb_f, p_s[st, :, :])
-                        j = tx - 2 * WG
-                        if j < C:
-                            fac_s[st, 0, j] = -T.exp2(g_s[st, j] * LOG2E) * rn_s[st, 1, j]
-                            fac_s[st, 1, j] = T.if_then_else(
-                                j < L, T.exp2((g_s[st, L - 1] - g_s[st, j]) * LOG2E), 0.0) * rn_s[st, 1, j]
-                            if with_output:
-                                fac_s[st, 2, j] = T.exp2(g_s[st, j] * LOG2E) * (scale * rn_s[st, 0, j])
                         T.fence_proxy_async()
                         # one arrival per warp (each warp's reads and writes done first)
                         T.sync_warp()
