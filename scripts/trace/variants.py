@@ -36,7 +36,7 @@ FWD_STAMPS = [
     ("out_bulk_store(o_s, ob_f, o, cs - C, hv, tx, wg)", 10, 1, False),
     ("T.barrier_wait(full[st], (c // 2) % 2)", 16, 2, False),
     ("T.barrier_wait(p_free[st], ((c // 2) % 2) ^ 1)", 17, 1, False),
-    ("T.gemm(q_s[st, :, :], k_s[st, :, :], p_f", 18, 1, False),
+    ("T.wait_wgmma(0)", 18, 4, False),  # the P role's q k^T
     ("T.copy(pb_f, p_s[st, :, :])", 19, 1, False),
     ("T.barrier_arrive(p_ready[st])", 20, 1, False),
     ("T.barrier_wait(empty[st], ((c // 2) % 2) ^ 1)", 24, 1, False),
