@@ -6,7 +6,8 @@
 machine's copy of the tree has no history: `git show REV:kernels/chunk_prefill.py > f.py`).
 
 Same inputs, same plan, CUDA-event medians of 50 calls after 5 (eager, or CUDA-graph replays with
---graph); prints each time, the speed-up
+--graph; --rounds N repeats them, alternating which goes first, and takes the median over the
+rounds); prints each time, the speed-up
 and the largest output difference (--kernels: each kernel's median too, `prep` and
 `chunk_fwd`). --compile-only fills TileLang's cache here. Measurement only: the benchmark of
 record is `qla-serving bench prefill`.
@@ -14,6 +15,7 @@ record is `qla-serving bench prefill`.
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +29,8 @@ def main(argv):
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="also each kernel's median time")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (as the benchmark's graph rows)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timed rounds per cell, alternating which goes first; medians over rounds")
     ap.add_argument("cells", nargs="+")
     args = ap.parse_args(argv)
     base = variants.load("qla_prefill_base", variants.baseline_source(args.base, args.base_nregs))
@@ -44,11 +48,19 @@ def main(argv):
 
     for cell in args.cells:
         hqk, hv, x, plan = variants.cell_setup(cell)
-        res = []
-        for m in (base, head):
+        calls = {}
+        for name, m in (("base", base), ("tree", head)):
             m.warmup(hqk, hv)
-            f, out, pool = variants.op_call(m, x, plan, hv)
-            ms = median_ms(f, warmup=5, iters=50, graph=args.graph)
+            calls[name] = (m, *variants.op_call(m, x, plan, hv))
+        times = {"base": [], "tree": []}
+        for r in range(args.rounds):
+            # alternate which goes first: the second of two back-to-back measurements tends to run
+            # at a lower clock (the H200's power cap), which one order alone would book to one side
+            for name in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
+                times[name].append(median_ms(calls[name][1], warmup=5, iters=50, graph=args.graph))
+        res = []
+        for name in ("base", "tree"):
+            m, f, out, pool = calls[name]
             pool.zero_()  # the outputs compared come from one call on a zero initial state
             f()
             torch.cuda.synchronize()
@@ -56,9 +68,11 @@ def main(argv):
             if args.kernels:
                 cfg = m.static_config(x["q"], x["v"], x["beta"], pool, True)
                 kt = ", ".join(f"{n} {t:.4f}" for n, t in kernel_medians(m, cfg, f, iters=30, skip=0).items())
-            res.append((ms, out.clone(), kt))
+            res.append((statistics.median(times[name]), out.clone(), kt))
         (tb, ob, kb), (th, oh, kh) = res
-        print(f"{cell}: base {tb:.4f} ms, tree {th:.4f} ms, speed-up {tb / th:.3f}x, "
+        rounds = "" if args.rounds == 1 else " (rounds: " + ", ".join(
+            f"{b / t:.3f}x" for b, t in zip(times["base"], times["tree"])) + ")"
+        print(f"{cell}: base {tb:.4f} ms, tree {th:.4f} ms, speed-up {tb / th:.3f}x{rounds}, "
               f"max |out diff| {(oh.float() - ob.float()).abs().max().item():.2e}"
               + (f"; base {kb}; tree {kh}" if args.kernels else ""))
     return 0
