@@ -332,7 +332,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
       registers, its rows split between the two warpgroups (64 each), and every product of a
       chunk is taken transposed, with V as its M dimension, so that each result is the next
       product's A operand in registers: ``X = S k^T`` and ``S q^T`` from S's bf16 copy,
-      ``v'^T = v^T Tb^T - (X exp(G) / |k|) Tb^T`` (Tb = T diag(beta)), the output
+      ``v'^T = (v^T - X exp(G) / |k|) Tb^T`` (Tb = T diag(beta); one product, ``v^T`` taken
+      into registers by ``ldmatrix .trans``), the output
       ``O^T = (S q^T) diag(exp(G) scale / |q|) + v'^T P^T``, the update
       ``S = exp(G_last) S + (v'^T exp(G_last - G) / |k|) k``. No copy of the state or of ``v'``
       goes through shared memory and no other role waits for them: the chain between two
@@ -575,7 +576,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                         L = T.min(eos - cs, C)
                         T.barrier_wait(full[st], (c // 2) % 2)
                         # both products of the state's bf16 copy at once (its registers stay live
-                        # until both are done: the U products wait, for the register budget)
+                        # until both are done: waiting for S k^T alone, with S q^T still running,
+                        # left ptxas without the registers and it serialised every wgmma)
                         for i, d in T.Parallel(V, K):
                             Sb_f[i, d] = T.cast(S_f[i, d], dt)
                         T.sync_threads(TURN + wg, 2 * WG)
