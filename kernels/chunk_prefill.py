@@ -729,7 +729,10 @@ def _kernel_set(cfg: PrefillStaticConfig):
                                 target=target, pass_configs=_pass_configs(fast_math=True))
         # chunk_fwd places its own warpgroup barriers (see _build_chunk_fwd)
         fwd_pc = dict(pc, **{tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
-        fwd = tilelang.compile(_build_chunk_fwd(cfg, tuple(tune["fwd_role_nregs"])), target=target, pass_configs=fwd_pc)
+        # denormals flushed (-ftz): exp2 is one MUFU instead of four instructions with its range
+        # fix-up (P's mask pass makes 32 per thread and chunk, on SMSPs it shares with the state)
+        fwd = tilelang.compile(_build_chunk_fwd(cfg, tuple(tune["fwd_role_nregs"])), target=target, pass_configs=fwd_pc,
+                               compile_flags=["-ftz=true"])
         ks = (prep, fwd)
         _kernels[cfg] = ks
         _compile_count += 1
