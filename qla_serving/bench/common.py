@@ -70,6 +70,22 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 10, iters: int = 100, g
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def nvidia_smi_query(fields: str, *, units: bool = True) -> str | None:
+    """One ``nvidia-smi --query-gpu`` reading of ``fields`` (comma-separated names) for the
+    current CUDA device, as nvidia-smi prints it (CSV, with units unless ``units=False``);
+    None where nvidia-smi is missing or prints nothing."""
+    import subprocess
+
+    cmd = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader" + ("" if units else ",nounits")]
+    if torch.cuda.is_available():
+        cmd.append(f"--id={torch.cuda.current_device()}")
+    try:
+        out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
 def gpu_clock_state() -> dict:
     """The GPU's SM clock (MHz) and active clock-throttle reasons (NVML bit mask, e.g. 0x4 the
     software power cap) read now, right after a measurement; empty where nvidia-smi is missing.
@@ -79,16 +95,11 @@ def gpu_clock_state() -> dict:
     ``e2e_bench/results/2026-11-22-nvidia-h200-prefill-power-check.log``): the results rows
     carry the reading so that a grid shows it.
     """
-    import subprocess
-
+    line = nvidia_smi_query("clocks.sm,clocks_throttle_reasons.active", units=False)
     try:
-        cmd = ["nvidia-smi", "--query-gpu=clocks.sm,clocks_throttle_reasons.active", "--format=csv,noheader,nounits"]
-        if torch.cuda.is_available():
-            cmd.append(f"--id={torch.cuda.current_device()}")
-        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=10)
-        mhz, reasons = (x.strip() for x in r.stdout.strip().splitlines()[0].split(","))
+        mhz, reasons = (x.strip() for x in (line or "").split(","))
         return {"sm_mhz": int(mhz), "throttle": reasons}
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+    except ValueError:
         return {}
 
 

@@ -6,15 +6,9 @@ and temperature (nvidia-smi) after each measurement.
 """
 
 import argparse
-import subprocess
 import sys
 
-
-def gpu_state() -> str:
-    q = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
-    r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], check=False, capture_output=True,
-                       text=True)
-    return r.stdout.strip()
+GPU_STATE = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
 
 
 def main(argv):
@@ -35,7 +29,7 @@ def main(argv):
     for impl in args.order.split(","):
         fn = RUNNERS[impl](x, hqk, hv)
         ms = common.median_ms(fn, iters=args.iters, graph=True)
-        print(f"{args.heads} {args.batch} {impl:10s} graph {ms:.4f} ms | sm MHz, mem MHz, C, W, throttle: {gpu_state()}",
+        print(f"{args.heads} {args.batch} {impl:10s} graph {ms:.4f} ms | sm MHz, mem MHz, C, W, throttle: {common.nvidia_smi_query(GPU_STATE)}",
               flush=True)
     return 0
 
