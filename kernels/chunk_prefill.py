@@ -710,7 +710,8 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
 
 
 def _kernel_set(cfg: PrefillStaticConfig):
-    """The three compiled kernels of ``cfg``: built once per process (TileLang also caches on disk)."""
+    """The two compiled kernels of ``cfg`` (``prep``, ``chunk_fwd``): built once per process (TileLang
+    also caches on disk)."""
     global _compile_count
     ks = _kernels.get(cfg)
     if ks is not None:

@@ -29,7 +29,8 @@ def main(argv):
     for impl in args.order.split(","):
         fn = RUNNERS[impl](x, hqk, hv)
         ms = common.median_ms(fn, iters=args.iters, graph=True)
-        print(f"{args.heads} {args.batch} {impl:10s} graph {ms:.4f} ms | sm MHz, mem MHz, C, W, throttle: {common.nvidia_smi_query(GPU_STATE)}",
+        state = common.nvidia_smi_query(GPU_STATE)
+        print(f"{args.heads} {args.batch} {impl:10s} graph {ms:.4f} ms | sm MHz, mem MHz, C, W, throttle: {state}",
               flush=True)
     return 0
 
