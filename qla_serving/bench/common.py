@@ -121,7 +121,7 @@ def bf16_tflops(n: int = 8192) -> float:
 
 def library_versions(extra: Iterable[str] = ()) -> dict:
     out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
-    for dist in ("qla-serving", "triton", "tilelang", "fla-core", "flashinfer-python", "vllm", "sglang", *extra):
+    for dist in ("qla-serving", "triton", "tilelang", "fla-core", "flashinfer-python", "flash_qla", "vllm", "sglang", *extra):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

@@ -15,6 +15,11 @@ in the kernel, fp32 states, every sequence with an initial state):
   ``cu_seqlens_cpu`` given, initial state ``[N, HV, K, V]`` and final state returned.
 * ``flashinfer``: ``flashinfer.gdn_prefill.chunk_gated_delta_rule`` with precomputed
   ``alpha = exp(g)`` and fp32 beta (its input contract), fp32 initial and output state.
+* ``flashqla`` (extra, ``--impls ... flashqla``): FlashQLA 0.1.3's ``chunk_gated_delta_rule``
+  with its own AutoCP decision, the state in our ``[N, HV, V, K]`` layout (``state_v_first``),
+  fp32 initial state, final state returned. It reads device values on the host (the AutoCP
+  decision, chunk indices), so a CUDA graph cannot capture it: its graph rows are missing and
+  the notes say why.
 """
 
 import argparse
@@ -33,7 +38,8 @@ from . import common
 HEAD_CONFIGS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (8, 24), (16, 16)]
 BATCHES = ["1x32768", "1x8192", "1x2048", "24576+8192", "8x4096", "8x1024"]
 IMPLS = ["qla", "fla", "flashinfer"]
-EXTRA_IMPLS = ["qla-nocp"]  # ours with AutoCP off, to show what the planner's choice gains
+# ours with AutoCP off, to show what the planner's choice gains; FlashQLA, the Qwen team's TileLang library
+EXTRA_IMPLS = ["qla-nocp", "flashqla"]
 K = V = 128
 
 
@@ -86,11 +92,13 @@ def runner_qla(x, hqk, hv, autocp=True):
     has_init = torch.ones(N, dtype=torch.bool, device="cuda")
     out = torch.empty_like(x["v"])
     pool[1:].copy_(x["h0"])  # the state then evolves in place call after call (decays keep it bounded)
+    final_state = pool[1:]  # (a view made once: nothing added to the timed call)
 
     def fn():
         chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, plan=plan,
                                    state_pool=pool, state_indices=idx, has_initial_state=has_init,
                                    use_qk_l2norm=True, out=out)
+        return out, final_state
 
     return fn
 
@@ -127,7 +135,71 @@ def runner_flashinfer(x, hqk, hv):
     return fn
 
 
-RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer,
+def runner_flashqla(x, hqk, hv):
+    from flash_qla import chunk_gated_delta_rule
+
+    q, k, v = (t.unsqueeze(0) for t in (x["q"], x["k"], x["v"]))
+    g, beta = x["g"].unsqueeze(0), x["beta"].unsqueeze(0)
+    cu = x["cu"].to("cuda")
+
+    def fn():
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, initial_state=x["h0"], output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu, state_v_first=True)
+
+    return fn
+
+
+def standard_outputs(impl: str, result) -> tuple[torch.Tensor, torch.Tensor]:
+    """What one call of ``impl``'s runner returned, as ``(o [T, HV, V], final state [N, HV, V, K])``."""
+    o, state = result
+    if impl in ("fla", "flashqla"):
+        o = o[0]  # [1, T, HV, V]: varlen inputs as one batch row
+    if impl == "fla":
+        state = state.transpose(-1, -2)  # FLA's [N, HV, K, V]
+    return o, state
+
+
+def device_ms(fn, iters: int = 20) -> float:
+    """Kernel time per call of ``fn``: the summed durations of the GPU work it launches (torch
+    profiler: kernels and copies), averaged over ``iters`` calls after two unmeasured ones. Host
+    time, launch gaps and host syncs between the kernels are not in it, so an implementation that
+    a CUDA graph cannot capture can be compared with the others on it. Kernels that overlap
+    (ours: ``chunk_fwd`` starts during ``prep``'s last blocks) are counted in full."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / iters / 1e3
+
+
+def check_against_qla(x, hqk, hv, impls) -> list[str]:
+    """One call of each of ``impls`` from the cell's initial state, compared with ours (``qla``,
+    whose agreement with the float64 recurrence the GPU tests show): the largest difference of
+    the output and of the final state, each relative to ours' largest magnitude. Confirms that
+    every timed implementation computes the same thing on the same inputs."""
+    ref_o, ref_s = (t.float().clone() for t in runner_qla(x, hqk, hv)())
+    lines = []
+    for impl in impls:
+        if impl == "qla":
+            continue
+        try:
+            o, state = standard_outputs(impl, RUNNERS[impl](x, hqk, hv)())
+            do = ((o.float() - ref_o).abs().max() / ref_o.abs().max()).item()
+            ds = ((state.float() - ref_s).abs().max() / ref_s.abs().max()).item()
+            lines.append(f"check {impl} {hqk}/{hv}: output within {do:.1e} of qla's, final state within {ds:.1e}"
+                         f" (relative to qla's largest)")
+        except Exception as e:
+            lines.append(f"check {impl} {hqk}/{hv}: failed ({type(e).__name__}: {str(e)[:200]})")
+    return lines
+
+
+RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer, "flashqla": runner_flashqla,
            "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False)}
 
 
@@ -186,6 +258,10 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--out-dir", default=None, help="where the results go (default e2e_bench/results)")
     ap.add_argument("--kernel-times", action="store_true", help="also print our per-kernel times in each cell")
+    ap.add_argument("--device-times", action="store_true",
+                    help="also each implementation's kernel time per call (torch profiler: the sum of its kernels' durations)")
+    ap.add_argument("--check", action="store_true",
+                    help="also compare each implementation's output and final state with ours (first batch of each head config)")
     args = ap.parse_args(argv)
     heads = HEAD_CONFIGS if args.heads is None else args.heads
     batches = BATCHES if args.batches is None else args.batches
@@ -200,7 +276,7 @@ def main(argv=None) -> int:
         note_text = "\n".join([
             "Rows `floor`: roofline floor of the cell (max of FLOPs / measured bf16 rate and minimal bytes / "
             "measured copy bandwidth); `floor/qla` is the fraction of it reached.",
-            "qla and fla include the q/k l2 norm; flashinfer gets precomputed exp(g) and fp32 beta.",
+            "qla, fla and flashqla include the q/k l2 norm; flashinfer gets precomputed exp(g) and fp32 beta.",
             *[f"- {n}" for n in notes]])
         common.write_results(path, meta, rows, ["hqk", "hv", "batch"], [*args.impls, "floor"], notes=note_text)
 
@@ -213,6 +289,10 @@ def main(argv=None) -> int:
             floor = roofline_ms(lens, hqk, hv, meta["bf16_tflops"], meta["copy_gbs"])
             for mode in args.modes:
                 rows.append(dict(cell, impl="floor", mode=mode, ms=round(floor, 4)))
+            if args.check and batch == batches[0]:
+                for line in check_against_qla(x, hqk, hv, args.impls):
+                    notes.append(line)
+                    print(line, flush=True)
             if args.kernel_times:
                 times = kernel_times(x, hqk, hv)
                 notes.append(f"qla kernels {hqk}/{hv} {batch}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()))
@@ -223,6 +303,12 @@ def main(argv=None) -> int:
                 except Exception as e:  # a library missing on this machine: say so, go on
                     notes.append(f"{impl} {hqk}/{hv} {batch}: unavailable ({type(e).__name__}: {e})")
                     continue
+                if args.device_times:
+                    try:
+                        notes.append(f"device time {impl} {hqk}/{hv} {batch}: {device_ms(fn):.4f} ms per call")
+                    except Exception as e:
+                        notes.append(f"device time {impl} {hqk}/{hv} {batch}: failed ({type(e).__name__}: {str(e)[:200]})")
+                    print(notes[-1], flush=True)
                 for mode in args.modes:
                     try:
                         ms = common.median_ms(fn, iters=args.iters, graph=(mode == "graph"))
