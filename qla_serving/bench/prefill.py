@@ -13,8 +13,11 @@ in the kernel, fp32 states, every sequence with an initial state):
   outside the timed region (as every layer of a forward pass reuses it).
 * ``fla``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (``FLA_FLASH_QLA=0``), with
   ``cu_seqlens_cpu`` given, initial state ``[N, HV, K, V]`` and final state returned.
-* ``flashinfer``: ``flashinfer.gdn_prefill.chunk_gated_delta_rule`` with precomputed
-  ``alpha = exp(g)`` and fp32 beta (its input contract), fp32 initial and output state.
+* ``flashinfer``: ``flashinfer.gdn_prefill.chunk_gated_delta_rule`` with L2-normalised q and k,
+  precomputed ``alpha = exp(g)`` and fp32 beta, all made outside the timed call (its input
+  contract: FlashInfer 0.6.14 accepts ``use_qk_l2norm_in_kernel`` but does not use it, and vLLM
+  0.26 normalises q and k in its fused post-convolution kernel before calling it), fp32 initial
+  and output state.
 * ``flashqla`` (extra, ``--impls ... flashqla``): FlashQLA 0.1.3's ``chunk_gated_delta_rule``
   with its own AutoCP decision, the state in our ``[N, HV, V, K]`` layout (``state_v_first``),
   fp32 initial state, final state returned. It reads device values on the host (the AutoCP
@@ -121,6 +124,9 @@ def runner_fla(x, hqk, hv):
 def runner_flashinfer(x, hqk, hv):
     from flashinfer.gdn_prefill import chunk_gated_delta_rule
 
+    # FlashInfer 0.6.14 ignores use_qk_l2norm_in_kernel (unnormalised keys make the recurrence
+    # overflow): q and k come normalised, as vLLM hands them over
+    q, k = (torch.nn.functional.normalize(t.float(), dim=-1).to(t.dtype) for t in (x["q"], x["k"]))
     alpha = torch.exp(x["g"])
     beta = x["beta"].float()
     cu = x["cu"].to("cuda")
@@ -128,9 +134,8 @@ def runner_flashinfer(x, hqk, hv):
     state = torch.empty_like(x["h0"])
 
     def fn():
-        return chunk_gated_delta_rule(x["q"], x["k"], x["v"], alpha, beta, scale=K**-0.5, initial_state=x["h0"],
-                                      output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-                                      output=out, output_state=state)
+        return chunk_gated_delta_rule(q, k, x["v"], alpha, beta, scale=K**-0.5, initial_state=x["h0"],
+                                      output_final_state=True, cu_seqlens=cu, output=out, output_state=state)
 
     return fn
 
@@ -276,7 +281,8 @@ def main(argv=None) -> int:
         note_text = "\n".join([
             "Rows `floor`: roofline floor of the cell (max of FLOPs / measured bf16 rate and minimal bytes / "
             "measured copy bandwidth); `floor/qla` is the fraction of it reached.",
-            "qla, fla and flashqla include the q/k l2 norm; flashinfer gets precomputed exp(g) and fp32 beta.",
+            "qla, fla and flashqla include the q/k l2 norm; flashinfer gets q/k normalised, exp(g) and fp32 beta "
+            "made outside the timed call.",
             *[f"- {n}" for n in notes]])
         common.write_results(path, meta, rows, ["hqk", "hv", "batch"], [*args.impls, "floor"], notes=note_text)
 
