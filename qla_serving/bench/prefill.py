@@ -154,6 +154,11 @@ def runner_flashqla(x, hqk, hv):
     return fn
 
 
+def _failed(e: Exception) -> str:
+    """A notes entry's account of a step that raised: its type and the start of its message."""
+    return f"failed ({type(e).__name__}: {str(e)[:200]})"
+
+
 def standard_outputs(impl: str, result) -> tuple[torch.Tensor, torch.Tensor]:
     """What one call of ``impl``'s runner returned, as ``(o [T, HV, V], final state [N, HV, V, K])``."""
     o, state = result
@@ -200,7 +205,7 @@ def check_against_qla(x, hqk, hv, impls) -> list[str]:
             lines.append(f"check {impl} {hqk}/{hv}: output within {do:.1e} of qla's, final state within {ds:.1e}"
                          f" (relative to qla's largest)")
         except Exception as e:
-            lines.append(f"check {impl} {hqk}/{hv}: failed ({type(e).__name__}: {str(e)[:200]})")
+            lines.append(f"check {impl} {hqk}/{hv}: {_failed(e)}")
     return lines
 
 
@@ -313,13 +318,13 @@ def main(argv=None) -> int:
                     try:
                         notes.append(f"device time {impl} {hqk}/{hv} {batch}: {device_ms(fn):.4f} ms per call")
                     except Exception as e:
-                        notes.append(f"device time {impl} {hqk}/{hv} {batch}: failed ({type(e).__name__}: {str(e)[:200]})")
+                        notes.append(f"device time {impl} {hqk}/{hv} {batch}: {_failed(e)}")
                     print(notes[-1], flush=True)
                 for mode in args.modes:
                     try:
                         ms = common.median_ms(fn, iters=args.iters, graph=(mode == "graph"))
                     except Exception as e:
-                        notes.append(f"{impl} {hqk}/{hv} {batch} {mode}: failed ({type(e).__name__}: {str(e)[:200]})")
+                        notes.append(f"{impl} {hqk}/{hv} {batch} {mode}: {_failed(e)}")
                         traceback.print_exc(limit=2)
                         torch.cuda.synchronize()
                         continue
