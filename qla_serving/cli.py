@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="versions, device and the path each op takes")
     p.set_defaults(fn=_cmd_info)
     p = sub.add_parser("bench", help="GPU benchmarks, side by side with FLA and FlashInfer")
-    p.add_argument("op", choices=["prefill", "decode"])
+    p.add_argument("op", choices=["prefill", "decode", "summary"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see bench OP --help)")
     p.set_defaults(fn=_cmd_bench)
     args = parser.parse_args(argv)

@@ -71,15 +71,38 @@ def make_inputs(lens, hqk, hv, dtype=torch.bfloat16):
     return dict(q=q, k=k, v=v, g=g.contiguous(), beta=beta, cu=cu, h0=h0)
 
 
+def min_bytes(lens, hqk, hv) -> int:
+    """Bytes any implementation must move: bf16 q, k, v read and o written, fp32 g and bf16
+    beta read, each sequence's fp32 state read and written."""
+    T = sum(lens)
+    return T * (2 * hqk * K * 2 + hv * V * 2 * 2 + hv * (4 + 2)) + len(lens) * hv * V * K * 4 * 2
+
+
+def split_bytes(lens, hqk, hv, least: bool = False) -> int:
+    """Bytes a two-kernel split moves beyond :func:`min_bytes`, its first kernel done before
+    the second starts (so what passes between them goes through DRAM, not L2).
+
+    ``least=False``: our kernels' split: ``prep`` reads q and k a second time (the second for
+    ``chunk_fwd``), writes ``T diag(beta)`` (bf16 64x64 per chunk and value head), the gate's
+    cumulative sum (fp32) and 1/|q|, 1/|k| (fp32), which ``chunk_fwd`` reads back.
+    ``least=True``: the least any split passing the inverse between kernels moves: k read
+    twice, g read twice, and T's lower triangle (with its diagonal) in bf16, written and read.
+    """
+    T = sum(lens)
+    chunks = sum(math.ceil(n / 64) for n in lens)
+    C = 64
+    if least:
+        return T * hqk * K * 2 + T * hv * 4 + chunks * hv * (C * (C + 1) // 2) * 2 * 2
+    return T * hqk * K * 2 * 2 + chunks * (hv * C * C * 2 + hv * C * 4 + hqk * 2 * C * 4) * 2
+
+
 def roofline_ms(lens, hqk, hv, tflops, copy_gbs) -> float:
     chunks = sum(math.ceil(n / 64) for n in lens)
     C = 64
     # per chunk and value head: k k^T, T (beta k), T (beta v), q k^T, attn v' (C x C x 128 each)
     # and w h, the state update, (q exp(G)) h (C x 128 x 128 each)
     flops = chunks * hv * 2 * (5 * C * C * K + 3 * C * K * V)
-    T = sum(lens)
-    nbytes = T * (2 * hqk * K * 2 + hv * V * 2 * 2 + hv * (4 + 2)) + len(lens) * hv * V * K * 4 * 2
-    return 1e3 * max(flops / (tflops * 1e12), nbytes / (copy_gbs * 1e9))
+    return 1e3 * max(flops / (tflops * 1e12), min_bytes(lens, hqk, hv) / (copy_gbs * 1e9))
 
 
 def runner_qla(x, hqk, hv, autocp=True):
