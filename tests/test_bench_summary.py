@@ -62,6 +62,9 @@ def test_summary_targets_and_cells_below_flashinfer(tmp_path):
     assert row["floor"] == pytest.approx(prefill.min_bytes(lens, 16, 16) * to_ms)
     assert row["split"] == pytest.approx((prefill.min_bytes(lens, 16, 16) + prefill.split_bytes(lens, 16, 16)) * to_ms)
     assert row["floor"] < row["least"] < row["split"]
+    assert row["least_extra_mb"] == pytest.approx(prefill.split_bytes(lens, 16, 16, least=True) / 1e6)
+    # slack: the bytes beyond the floor's that FlashInfer's 0.2 ms leave at the copy bandwidth
+    assert row["slack_mb"] == pytest.approx((0.2e-3 * 3050e9 - prefill.min_bytes(lens, 16, 16)) / 1e6)
     text = summary.render(s)
     assert "| 16/16 | 8x4096 | 0.350 | 0.200 | 0.57x |" in text
 

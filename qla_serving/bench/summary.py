@@ -79,10 +79,14 @@ def summarize(times: dict, metas: list[dict], mode: str = "graph") -> dict:
                     lens, (hqk, hv) = batch_lens(cell[2]), cell[:2]
                     base = min_bytes(lens, hqk, hv)
                     to_ms = 1e3 / (copy_gbs * 1e9)
+                    least = split_bytes(lens, hqk, hv, least=True)
                     below.append(dict(
                         hqk=hqk, hv=hv, batch=cell[2], qla=ours, flashinfer=theirs, ratio=theirs / ours,
                         floor=base * to_ms, split=(base + split_bytes(lens, hqk, hv)) * to_ms,
-                        least=(base + split_bytes(lens, hqk, hv, least=True)) * to_ms))
+                        least=(base + least) * to_ms, least_extra_mb=least / 1e6,
+                        # what FlashInfer's time leaves for bytes beyond the least: if L2 can hold
+                        # least_extra_mb - slack_mb, the bound does not hold
+                        slack_mb=(theirs / to_ms - base) / 1e6))
     return dict(
         gpu=metas[0]["gpu"], mode=mode, copy_gbs=copy_gbs, files=[m["path"] for m in metas],
         commands=[m.get("command", "") for m in metas],
@@ -108,16 +112,18 @@ def render(s: dict) -> str:
             "Cells below FlashInfer. `floor`: the least bytes any implementation moves, at the copy "
             "bandwidth; `split`: those plus what our two kernels pass between them and read twice; "
             "`least split`: those plus the least any two-kernel split passing the inverse moves "
-            "(`qla_serving.bench.prefill.split_bytes`). FlashInfer / bound < 1: no split of that "
-            "shape reaches FlashInfer there, whatever its arithmetic.", "",
+            "(`qla_serving.bench.prefill.split_bytes`). FlashInfer / bound < 1: FlashInfer finishes "
+            "before a split of that shape could move its bytes at copy bandwidth, unless L2 keeps "
+            "part of them out of DRAM; `least extra` less `slack` (what FlashInfer's time leaves "
+            "beyond the floor's bytes) is what L2 would have to hold for the least split to tie.", "",
             "| heads | batch | ours ms | FlashInfer ms | FlashInfer / ours | floor ms | split ms "
-            "| FlashInfer / split | least split ms | FlashInfer / least split |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| FlashInfer / split | least split ms | FlashInfer / least split | least extra MB | slack MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for b in s["below"]:
             out.append(
                 f"| {b['hqk']}/{b['hv']} | {b['batch']} | {b['qla']:.3f} | {b['flashinfer']:.3f} | {b['ratio']:.2f}x "
                 f"| {b['floor']:.3f} | {b['split']:.3f} | {b['flashinfer'] / b['split']:.2f} | {b['least']:.3f} "
-                f"| {b['flashinfer'] / b['least']:.2f} |")
+                f"| {b['flashinfer'] / b['least']:.2f} | {b['least_extra_mb']:.0f} | {b['slack_mb']:.0f} |")
         out.append("")
     if s["missing"]:
         out += ["Missing times (left out of the ratios): "
