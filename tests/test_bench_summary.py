@@ -28,8 +28,8 @@ def test_split_bytes_counts_each_intermediate():
     # 1/|k| fp32 2x64, each written once and read once
     ours = T * hqk * 128 * 2 * 2 + 2 * chunks * (hv * 64 * 64 * 2 + hv * 64 * 4 + hqk * 2 * 64 * 4)
     assert prefill.split_bytes(lens, hqk, hv) == ours
-    # least: k and g read again, T's lower triangle (2080 of 4096 entries) in bf16 both ways
-    least = T * hqk * 128 * 2 + T * hv * 4 + 2 * chunks * hv * 2080 * 2
+    # least: k and bf16 beta read again, T's lower triangle (2080 of 4096 entries) in bf16 both ways
+    least = T * hqk * 128 * 2 + T * hv * 2 + 2 * chunks * hv * 2080 * 2
     assert prefill.split_bytes(lens, hqk, hv, least=True) == least
     assert prefill.min_bytes(lens, hqk, hv) == T * (2 * hqk * 256 + hv * 512 + hv * 6) + 2 * hv * 128 * 128 * 8
 

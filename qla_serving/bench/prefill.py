@@ -86,13 +86,15 @@ def split_bytes(lens, hqk, hv, least: bool = False) -> int:
     ``chunk_fwd``), writes ``T diag(beta)`` (bf16 64x64 per chunk and value head), the gate's
     cumulative sum (fp32) and 1/|q|, 1/|k| (fp32), which ``chunk_fwd`` reads back.
     ``least=True``: the least any split passing the inverse between kernels moves: k read
-    twice, g read twice, and T's lower triangle (with its diagonal) in bf16, written and read.
+    twice (the first kernel's ``k k^T``, the second's state update), beta twice (the inverse
+    needs it; with FlashQLA's gate-free inverse the first kernel needs no g), and T's lower
+    triangle (with its diagonal) in bf16, written and read.
     """
     T = sum(lens)
     chunks = sum(math.ceil(n / 64) for n in lens)
     C = 64
     if least:
-        return T * hqk * K * 2 + T * hv * 4 + chunks * hv * (C * (C + 1) // 2) * 2 * 2
+        return T * hqk * K * 2 + T * hv * 2 + chunks * hv * (C * (C + 1) // 2) * 2 * 2
     return T * hqk * K * 2 * 2 + chunks * (hv * C * C * 2 + hv * C * 4 + hqk * 2 * C * 4) * 2
 
 
