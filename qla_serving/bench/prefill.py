@@ -80,7 +80,7 @@ def min_bytes(lens, hqk, hv) -> int:
 
 def split_bytes(lens, hqk, hv, least: bool = False) -> int:
     """Bytes a two-kernel split moves beyond :func:`min_bytes`, its first kernel done before
-    the second starts (so what passes between them goes through DRAM, not L2).
+    the second starts (so what passes between them goes through DRAM, less what L2 keeps).
 
     ``least=False``: our kernels' split: ``prep`` reads q and k a second time (the second for
     ``chunk_fwd``), writes ``T diag(beta)`` (bf16 64x64 per chunk and value head), the gate's

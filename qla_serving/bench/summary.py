@@ -7,10 +7,10 @@ configs each); this reads their JSON files together and prints, in markdown:
   FlashInfer over the cells of >= 8192 tokens, and how many of those are below 1.0;
 * each cell of >= 8192 tokens where FlashInfer is faster, with the DRAM bound of a two-kernel
   split beside it (:func:`qla_serving.bench.prefill.split_bytes` at the run's measured copy
-  bandwidth): where FlashInfer's time is below that bound, no kernel pair of that shape can
-  match it however fast its arithmetic.
+  bandwidth): where FlashInfer's time is below that bound, and by more than L2 could hold, no
+  kernel pair of that shape can match it however fast its arithmetic.
 
-Reads files only: no GPU, no torch work.
+Reads files only: no GPU needed.
 """
 
 from __future__ import annotations
@@ -63,30 +63,26 @@ def summarize(times: dict, metas: list[dict], mode: str = "graph") -> dict:
     cells = sorted({k[:3] for k in times}, key=lambda c: (c[0], c[1], -sum(batch_lens(c[2])), c[2]))
     fla, fi_big, below, missing = {}, {}, [], []
     for cell in cells:
-        ours = times.get((*cell, "qla", mode))
+        ours, by_fla, by_fi = (times.get((*cell, impl, mode)) for impl in ("qla", "fla", "flashinfer"))
+        missing += [(*cell, impl) for impl, t in (("qla", ours), ("fla", by_fla), ("flashinfer", by_fi)) if t is None]
         if ours is None:
-            missing.append((*cell, "qla"))
             continue
-        for impl, into in (("fla", fla), ("flashinfer", None)):
-            theirs = times.get((*cell, impl, mode))
-            if theirs is None:
-                missing.append((*cell, impl))
-            elif into is not None:
-                into[cell] = theirs / ours
-            elif sum(batch_lens(cell[2])) >= BIG_TOKENS:
-                fi_big[cell] = theirs / ours
-                if theirs < ours:
-                    lens, (hqk, hv) = batch_lens(cell[2]), cell[:2]
-                    base = min_bytes(lens, hqk, hv)
-                    to_ms = 1e3 / (copy_gbs * 1e9)
-                    least = split_bytes(lens, hqk, hv, least=True)
-                    below.append(dict(
-                        hqk=hqk, hv=hv, batch=cell[2], qla=ours, flashinfer=theirs, ratio=theirs / ours,
-                        floor=base * to_ms, split=(base + split_bytes(lens, hqk, hv)) * to_ms,
-                        least=(base + least) * to_ms, least_extra_mb=least / 1e6,
-                        # what FlashInfer's time leaves for bytes beyond the least: if L2 can hold
-                        # least_extra_mb - slack_mb, the bound does not hold
-                        slack_mb=(theirs / to_ms - base) / 1e6))
+        if by_fla is not None:
+            fla[cell] = by_fla / ours
+        lens, (hqk, hv) = batch_lens(cell[2]), cell[:2]
+        if by_fi is None or sum(lens) < BIG_TOKENS:
+            continue
+        fi_big[cell] = by_fi / ours
+        if by_fi < ours:
+            base, least = min_bytes(lens, hqk, hv), split_bytes(lens, hqk, hv, least=True)
+            to_ms = 1e3 / (copy_gbs * 1e9)
+            below.append(dict(
+                hqk=hqk, hv=hv, batch=cell[2], qla=ours, flashinfer=by_fi, ratio=by_fi / ours,
+                floor=base * to_ms, split=(base + split_bytes(lens, hqk, hv)) * to_ms,
+                least=(base + least) * to_ms, least_extra_mb=least / 1e6,
+                # the bytes beyond the floor's that FlashInfer's time leaves at copy bandwidth: the
+                # least split ties only if L2 keeps least_extra_mb - slack_mb of its bytes off DRAM
+                slack_mb=(by_fi / to_ms - base) / 1e6))
     return dict(
         gpu=metas[0]["gpu"], mode=mode, copy_gbs=copy_gbs, files=[m["path"] for m in metas],
         commands=[m.get("command", "") for m in metas],
