@@ -36,6 +36,7 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")  # before fla is imported: FLA's own
 
 import torch
 
+from ..ops.gated_delta_rule.naive import CHUNK_SIZE as C
 from . import common
 
 HEAD_CONFIGS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (8, 24), (16, 16)]
@@ -71,6 +72,11 @@ def make_inputs(lens, hqk, hv, dtype=torch.bfloat16):
     return dict(q=q, k=k, v=v, g=g.contiguous(), beta=beta, cu=cu, h0=h0)
 
 
+def num_chunks(lens) -> int:
+    """Chunks of the kernels' size over all sequences (each sequence's last one may be partial)."""
+    return sum(math.ceil(n / C) for n in lens)
+
+
 def min_bytes(lens, hqk, hv) -> int:
     """Bytes any implementation must move: bf16 q, k, v read and o written, fp32 g and bf16
     beta read, each sequence's fp32 state read and written."""
@@ -90,17 +96,14 @@ def split_bytes(lens, hqk, hv, least: bool = False) -> int:
     needs it; with FlashQLA's gate-free inverse the first kernel needs no g), and T's lower
     triangle (with its diagonal) in bf16, written and read.
     """
-    T = sum(lens)
-    chunks = sum(math.ceil(n / 64) for n in lens)
-    C = 64
+    T, chunks = sum(lens), num_chunks(lens)
     if least:
         return T * hqk * K * 2 + T * hv * 2 + chunks * hv * (C * (C + 1) // 2) * 2 * 2
     return T * hqk * K * 2 * 2 + chunks * (hv * C * C * 2 + hv * C * 4 + hqk * 2 * C * 4) * 2
 
 
 def roofline_ms(lens, hqk, hv, tflops, copy_gbs) -> float:
-    chunks = sum(math.ceil(n / 64) for n in lens)
-    C = 64
+    chunks = num_chunks(lens)
     # per chunk and value head: k k^T, T (beta k), T (beta v), q k^T, attn v' (C x C x 128 each)
     # and w h, the state update, (q exp(G)) h (C x 128 x 128 each)
     flops = chunks * hv * 2 * (5 * C * C * K + 3 * C * K * V)
