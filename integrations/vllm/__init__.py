@@ -13,7 +13,8 @@ What :func:`register` does (each step idempotent, see docs/vllm.md):
 3. registers :class:`~.layer.QlaGatedDeltaNetAttention` for vLLM's
    ``QwenGatedDeltaNetAttention`` (PluggableLayer ``qwen_gated_delta_net_attention``) and
    :class:`~.layer.QlaChunkGatedDeltaRule` for the ``chunk_gated_delta_rule`` CustomOp. They
-   behave exactly like vLLM's classes unless ``flashqla`` is requested.
+   behave exactly like vLLM's classes unless ``flashqla`` is requested;
+4. registers the benchmark load format ``qla_dummy`` (:mod:`.bench_loader`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def register() -> None:
                 f"qla-serving: another plugin already replaces vLLM's {base.__name__} with "
                 f"{current.__module__}.{current.__qualname__}; two replacements cannot both run"
             )
+    from .bench_loader import register_loader
+
+    register_loader()
     _registered = True
     logger.debug("qla-serving: vLLM plugin registered (vLLM %s)", version)
 

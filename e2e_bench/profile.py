@@ -1,0 +1,129 @@
+"""Where a serving step's GPU time goes: a summary of the engine's own torch-profiler traces.
+
+``python -m e2e_bench.serve ... --profile chat:128`` starts each server with vLLM's torch
+profiler (``--profiler-config``, a window of engine steps in the middle of that point) and this
+module reads the Chrome traces it writes (``*.pt.trace.json.gz``): GPU kernel time by kernel
+name, the GDN layer's share (the kernels that :data:`GDN_PATTERNS` name), kernel time per engine
+step, and the host time of each GDN custom-op call (``vllm::qwen_gdn_attention_core``, on the
+host only where the step runs outside a full CUDA graph).
+
+    python -m e2e_bench.profile TRACE_DIR [--label flashqla] [--out summary.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import statistics
+import sys
+
+# Kernels of the GDN core (conv, preparation, recurrence, layout copies around it), by backend.
+GDN_PATTERNS = {
+    "conv1d": re.compile(r"causal_conv1d", re.I),
+    "recurrence (decode)": re.compile(r"gdn_decode|fused_recurrent|recurrent_gated_delta|packed_decode", re.I),
+    "recurrence (prefill)": re.compile(r"chunk_fwd|prep_kernel|chunk_gated_delta|chunk_scaled_dot|"
+                                       r"solve_tril|recompute_w_u|chunk_fwd_kernel|gdn_prefill|delta_rule|"
+                                       r"chunk_local_cumsum|kkt", re.I),
+    "post-conv prep": re.compile(r"post_conv|l2norm|fused_gdn_gating|gating", re.I),
+}
+GDN_OP = "vllm::qwen_gdn_attention_core"
+STEP_MARK = re.compile(r"execute_model|model_step|_model_forward|gpu_model_runner", re.I)
+
+
+def load_trace(path: pathlib.Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data.get("traceEvents", data) if isinstance(data, dict) else data
+
+
+def classify(name: str) -> str | None:
+    for group, pat in GDN_PATTERNS.items():
+        if pat.search(name):
+            return group
+    return None
+
+
+def summarize(events: list[dict], top: int = 25) -> dict:
+    kernels = collections.Counter()
+    counts = collections.Counter()
+    gdn = collections.Counter()
+    first = last = None
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        name, dur = e.get("name", "?"), float(e.get("dur", 0.0))
+        kernels[name] += dur
+        counts[name] += 1
+        group = classify(name)
+        if group:
+            gdn[group] += dur
+        ts = float(e.get("ts", 0.0))
+        first = ts if first is None else min(first, ts)
+        last = ts + dur if last is None else max(last, ts + dur)
+    host = [float(e["dur"]) for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and e.get("name") == GDN_OP]
+    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+             and STEP_MARK.search(e.get("name", ""))]
+    total = sum(kernels.values())
+    return {
+        "kernel_us_total": total,
+        "gpu_span_us": (last - first) if first is not None else 0.0,
+        "gdn_us": dict(gdn),
+        "gdn_share": (sum(gdn.values()) / total) if total else 0.0,
+        "top": [(n, kernels[n], counts[n]) for n, _ in kernels.most_common(top)],
+        "gdn_op_host_us": {"calls": len(host), "median": statistics.median(host) if host else None,
+                           "mean": statistics.fmean(host) if host else None},
+        "steps_annotated": len(steps),
+    }
+
+
+def markdown(label: str, s: dict, steps: int | None = None) -> str:
+    per = f" ({s['kernel_us_total'] / steps / 1e3:.2f} ms per step over {steps} steps)" if steps else ""
+    lines = [f"### {label}", "",
+             f"GPU kernel time {s['kernel_us_total'] / 1e3:.1f} ms{per}, GPU span {s['gpu_span_us'] / 1e3:.1f} ms; "
+             f"GDN core share {100 * s['gdn_share']:.1f}%", "",
+             "| GDN part | kernel ms |", "|---|---|"]
+    lines += [f"| {k} | {v / 1e3:.2f} |" for k, v in sorted(s["gdn_us"].items())]
+    h = s["gdn_op_host_us"]
+    if h["calls"]:
+        lines += ["", f"`{GDN_OP}` host time: {h['calls']} calls, median {h['median']:.1f} us, mean {h['mean']:.1f} us"]
+    lines += ["", "| kernel | ms | calls | GDN part |", "|---|---|---|---|"]
+    lines += [f"| `{n[:90]}` | {us / 1e3:.2f} | {c} | {classify(n) or ''} |" for n, us, c in s["top"]]
+    return "\n".join(lines) + "\n"
+
+
+def find_traces(directory: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in directory.rglob("*.json*") if "trace" in p.name and p.is_file())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m e2e_bench.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("trace_dir")
+    p.add_argument("--label", default="")
+    p.add_argument("--steps", type=int, default=None, help="engine steps in the window (per-step time)")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    traces = find_traces(pathlib.Path(args.trace_dir))
+    if not traces:
+        print(f"profile: no torch-profiler trace under {args.trace_dir}", file=sys.stderr)
+        return 1
+    text = ""
+    for t in traces:
+        # rank 0's worker trace holds the GPU kernels; the front-end's holds none
+        s = summarize(load_trace(t))
+        if not s["kernel_us_total"]:
+            continue
+        text += markdown(f"{args.label or t.parent.name} — {t.name}", s, args.steps) + "\n"
+    print(text)
+    if args.out:
+        pathlib.Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,717 @@
+"""The serving benchmark: real servers, the engines' own benchmark clients, one backend flag apart.
+
+For each GDN backend the harness starts the engine's real server (``vllm serve`` or
+``python -m sglang.launch_server``) with only the backend flag changed (CUDA graphs,
+torch.compile, chunked prefill and prefix caching as the engine ships them), waits until
+``/health`` answers, sends the agreement prompts (greedy, token ids in and out), drives the
+server with the engine's own client (``vllm bench serve`` / ``python -m sglang.bench_serving``,
+random dataset, fixed input and output lengths) over each workload and concurrency, stops it
+and moves on. One results file per engine and TP size::
+
+    e2e_bench/results/<date>-<gpu>-serve-<engine>-tp<N>.json   {"meta": {...}, "rows": [...]}
+    ... .md (a table per workload) and -<workload>.png (throughput and TTFT against concurrency)
+
+Models (``e2e_bench/models/*.json``) carry the released per-layer shapes; ``--layers`` cuts the
+layer count to fit the GPUs (stated in the results). Weights are dummy, with GDN gates re-drawn
+so that state carries over hundreds of tokens (vLLM: load format ``qla_dummy``), so a state bug
+changes the greedy tokens. A tokenizer of whitespace-separated words (``w0 w1 ...``) is written
+beside the config, so the clients' random dataset round-trips exactly and nothing is downloaded.
+
+    python -m e2e_bench.serve --engine vllm --model qwen3.5-397b-a17b --layers 4 \\
+        --workloads chat short --concurrency 1 32 128 --out-dir "$OUT"
+    python -m e2e_bench.serve ... --dry-run            # the commands, nothing started
+    python -m e2e_bench.serve report FILE.json ...     # table and plots from results files
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import os
+import pathlib
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+HERE = pathlib.Path(__file__).resolve().parent
+MODELS_DIR = HERE / "models"
+RESULTS_DIR = HERE / "results"
+
+# name: (input tokens, output tokens); the issue's names, used verbatim in the results.
+WORKLOADS: dict[str, tuple[int, int]] = {
+    "long": (32768, 256),
+    "retrieval": (8192, 512),
+    "chat": (2048, 1024),
+    "short": (1024, 128),
+}
+ENGINES = ("vllm", "sglang")
+BACKENDS = ("flashqla", "default", "flashinfer", "triton")
+TOKENIZER_WORDS = 32000  # word ids 0..31999; the end-of-text token comes after them
+EOS_TEXT = "<|endoftext|>"
+ROW_KEYS = ("engine", "backend", "tp", "workload", "input_len", "output_len", "concurrency",
+            "num_prompts", "request_throughput", "total_tok_s", "output_tok_s", "mean_ttft_ms",
+            "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "agree_fraction", "startup_s")
+
+
+def log(msg: str) -> None:
+    print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def model_spec(name: str) -> dict:
+    path = MODELS_DIR / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+        raise SystemExit(f"serve: no model {name!r}; known: {', '.join(known)}")
+    return json.loads(path.read_text())
+
+
+def layer_types(num_layers: int, interval: int) -> list[str]:
+    """Every ``interval``-th layer is full attention, the rest GDN (the released layout)."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def hf_config(spec: dict, num_layers: int, max_len: int) -> dict:
+    """``config.json`` of ``spec`` cut to ``num_layers`` layers (a multiple of the interval)."""
+    interval = spec["full_attention_interval"]
+    if num_layers < interval or num_layers % interval:
+        raise ValueError(f"--layers {num_layers}: must be a positive multiple of the full-attention "
+                         f"interval {interval} (so the cut model keeps the released GDN:attention ratio)")
+    vocab = spec["vocab_size"]
+    text = {
+        "vocab_size": vocab, "hidden_size": spec["hidden_size"], "intermediate_size": spec["intermediate_size"],
+        "num_hidden_layers": num_layers, "layer_types": layer_types(num_layers, interval),
+        "full_attention_interval": interval,
+        "num_attention_heads": spec["num_attention_heads"], "num_key_value_heads": spec["num_key_value_heads"],
+        "head_dim": spec["head_dim"],
+        **{k: spec[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+                                "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")},
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": max_len,
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "bos_token_id": None, "eos_token_id": TOKENIZER_WORDS, "pad_token_id": None, "dtype": "bfloat16",
+        "torch_dtype": "bfloat16", "router_aux_loss_coef": 0.0, "output_router_logits": False,
+    }
+    rope = {"rope_type": "default", "rope_theta": spec["rope_theta"],
+            "partial_rotary_factor": spec["partial_rotary_factor"]}
+    if spec["model_type"] == "qwen3_next":
+        text.update(model_type="qwen3_next", rope_theta=spec["rope_theta"],
+                    partial_rotary_factor=spec["partial_rotary_factor"], rope_parameters=rope,
+                    architectures=[spec["architecture"]])
+        return text
+    text.update(model_type=f"{spec['model_type']}_text",
+                rope_parameters={**rope, "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    if spec.get("state_dtype"):
+        text["mamba_ssm_dtype"] = spec["state_dtype"]
+    vision = {"model_type": f"{spec['model_type']}_vision", "depth": 1, "hidden_size": 64, "num_heads": 2,
+              "intermediate_size": 128, "out_hidden_size": spec["hidden_size"], "patch_size": 16,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+    return {"architectures": [spec["architecture"]], "model_type": spec["model_type"],
+            "text_config": text, "vision_config": vision, "tie_word_embeddings": False,
+            "image_token_id": vocab - 4, "video_token_id": vocab - 3,
+            "vision_start_token_id": vocab - 6, "vision_end_token_id": vocab - 5}
+
+
+def tokenizer_json(words: int = TOKENIZER_WORDS) -> dict:
+    """A word-level tokenizer: ``w<i>`` is id ``i``, whitespace splits, decoding joins with spaces,
+    so any id sequence decodes and re-encodes to itself (the clients' random dataset relies on it)."""
+    vocab = {f"w{i}": i for i in range(words)}
+    vocab[EOS_TEXT] = words
+    special = {"id": words, "content": EOS_TEXT, "single_word": False, "lstrip": False, "rstrip": False,
+               "normalized": False, "special": True}
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [special],
+            "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+            "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},  # joins words with spaces
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": EOS_TEXT}}
+
+
+def tokenizer_dir(model_dir: str) -> str:
+    return str(pathlib.Path(model_dir) / "tokenizer")
+
+
+def write_model(spec: dict, num_layers: int, max_len: int, directory: str | os.PathLike) -> str:
+    """Write config.json into ``directory`` and the tokenizer into its ``tokenizer/`` (apart, since
+    transformers would otherwise build the model type's own tokenizer class); weights stay dummy."""
+    path = pathlib.Path(directory)
+    tok = pathlib.Path(tokenizer_dir(str(path)))
+    tok.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config(spec, num_layers, max_len), indent=1) + "\n")
+    (tok / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
+    (tok / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TEXT, "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False}))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+@dataclasses.dataclass
+class Setup:
+    engine: str
+    model_dir: str
+    tp: int
+    max_len: int
+    port: int = 8321
+    state_dtype: str | None = None  # the model's; None lets the engine decide
+    multimodal: bool = False  # a ...ForConditionalGeneration config: serve the language model only
+
+
+def server_command(s: Setup, backend: str, extra: list[str] = ()) -> list[str]:
+    """The server's command line: identical for every backend except the backend flag."""
+    if s.engine == "vllm":
+        cmd = ["vllm", "serve", s.model_dir, "--served-model-name", "bench", "--port", str(s.port),
+               "--host", "127.0.0.1", "--tokenizer", tokenizer_dir(s.model_dir), "--load-format", "qla_dummy", "--max-model-len", str(s.max_len),
+               "--tensor-parallel-size", str(s.tp), "--seed", "0"]
+        if s.multimodal:
+            cmd.append("--language-model-only")
+        if s.tp > 1:
+            # vLLM's CUSTOM all-reduce died with an illegal memory access on the lent multi-GPU
+            # machines (docs/e2e.md); NCCL's all-reduce is the same for every backend.
+            cmd.append("--disable-custom-all-reduce")
+        if backend == "flashqla":
+            cmd += ["--linear-attn-backend", "flashqla"]
+        elif backend != "default":
+            cmd += ["--gdn-prefill-backend", backend]
+    elif s.engine == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", s.model_dir,
+               "--tokenizer-path", tokenizer_dir(s.model_dir), "--served-model-name", "bench", "--port", str(s.port),
+               "--host", "127.0.0.1", "--load-format", "dummy", "--context-length", str(s.max_len), "--tp-size", str(s.tp),
+               "--random-seed", "0"]
+        if s.tp > 1:
+            cmd.append("--disable-custom-all-reduce")
+        if backend != "default":
+            cmd += ["--linear-attn-backend", backend]
+    else:
+        raise ValueError(f"engine {s.engine!r}: expected one of {ENGINES}")
+    return cmd + list(extra)
+
+
+def num_prompts(concurrency: int, per_concurrency: int, minimum: int) -> int:
+    return max(minimum, per_concurrency * concurrency)
+
+
+def client_command(s: Setup, workload: str, concurrency: int, prompts: int, result_file: str,
+                   warmups: int, seed: int = 0) -> list[str]:
+    """The engine's own benchmark client on its random dataset at fixed lengths."""
+    input_len, output_len = WORKLOADS[workload]
+    base = f"http://127.0.0.1:{s.port}"
+    if s.engine == "vllm":
+        out = pathlib.Path(result_file)
+        return ["vllm", "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "bench",
+                "--tokenizer", tokenizer_dir(s.model_dir), "--dataset-name", "random", "--random-input-len", str(input_len),
+                "--random-output-len", str(output_len), "--random-range-ratio", "0", "--num-prompts",
+                str(prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
+                "--num-warmups", str(warmups), "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
+                "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
+                "--result-filename", out.name, "--disable-tqdm"]
+    return [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", base,
+            "--model", "bench", "--tokenizer", tokenizer_dir(s.model_dir), "--dataset-name", "random",
+            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", "1", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+            "--request-rate", "inf", "--warmup-requests", str(warmups), "--seed", str(seed),
+            "--output-file", result_file, "--disable-tqdm"]
+
+
+def parse_client_result(engine: str, path: str) -> dict:
+    """The row fields from a client's saved result (vLLM: one JSON; SGLang: JSON lines, last)."""
+    text = pathlib.Path(path).read_text().strip()
+    data = json.loads(text.splitlines()[-1]) if engine == "sglang" else json.loads(text)
+    get = lambda *names: next((float(data[n]) for n in names if data.get(n) is not None), None)  # noqa: E731
+    return {
+        "request_throughput": get("request_throughput"),
+        "total_tok_s": get("total_token_throughput", "total_throughput"),
+        "output_tok_s": get("output_throughput"),
+        "mean_ttft_ms": get("mean_ttft_ms"), "p99_ttft_ms": get("p99_ttft_ms"),
+        "mean_tpot_ms": get("mean_tpot_ms"), "p99_tpot_ms": get("p99_tpot_ms"),
+        "mean_itl_ms": get("mean_itl_ms"),
+        "completed": int(data.get("completed", 0) or 0),
+    }
+
+
+# ----------------------------------------------------------------------------- agreement
+
+
+def agreement_prompts(n: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    """``n`` token-id prompts of lengths spread over ``[min_len, max_len]`` (word ids only)."""
+    import random
+
+    rng = random.Random(seed)
+    lens = [min_len + (max_len - min_len) * i // max(1, n - 1) for i in range(n)]
+    return [[rng.randrange(TOKENIZER_WORDS) for _ in range(length)] for length in lens]
+
+
+def tokens_before_divergence(ref: list[int], out: list[int]) -> int:
+    for i, (r, o) in enumerate(zip(ref, out)):
+        if r != o:
+            return i
+    return min(len(ref), len(out))
+
+
+def agree_fraction(ref: list[list[int]], out: list[list[int]]) -> float | None:
+    """Tokens generated before the first divergence from ``ref``, over all of ``ref``'s tokens."""
+    if not ref or not out or len(ref) != len(out):
+        return None
+    total = sum(len(r) for r in ref)
+    return sum(tokens_before_divergence(r, o) for r, o in zip(ref, out)) / total if total else None
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def greedy_tokens(s: Setup, prompts: list[list[int]], max_tokens: int, timeout: float = 300) -> list[list[int]]:
+    """Greedy output ids of each prompt, one request at a time (token ids in, token ids out)."""
+    outs = []
+    for p in prompts:
+        if s.engine == "vllm":
+            r = _post(f"http://127.0.0.1:{s.port}/v1/completions",
+                      {"model": "bench", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True}, timeout)
+            outs.append(list(r["choices"][0]["token_ids"]))
+        else:
+            r = _post(f"http://127.0.0.1:{s.port}/generate",
+                      {"input_ids": p, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
+                                                           "ignore_eos": True}}, timeout)
+            outs.append(list(r["output_ids"]))
+    return outs
+
+
+# ----------------------------------------------------------------------------- server lifecycle
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(2)
+    return False
+
+
+def stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM the server's process group (it owns its workers), then SIGKILL what is left."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def tail(path: str | os.PathLike, lines: int = 40) -> str:
+    try:
+        return "\n".join(pathlib.Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+DEFAULT_LOG_PATTERNS = {
+    # vLLM: "Using FlashInfer GDN prefill kernel (requested=auto, ...)"
+    "vllm": re.compile(r"Using (FlashInfer|CuteDSL|Triton/FLA) GDN prefill kernel \(requested=auto"),
+    # SGLang names the linear-attention backend it builds
+    "sglang": re.compile(r"[Ll]inear[- _]attn(?:ention)?[- _](?:prefill[- _])?backend[^\n]*?\b(triton|flashinfer|cutedsl)\b"),
+}
+ENGINE_NAMES = {"FlashInfer": "flashinfer", "CuteDSL": "cutedsl", "Triton/FLA": "triton"}
+
+
+def resolve_default(engine: str, log_text: str) -> str | None:
+    """The GDN backend the engine picked with no flag, read from its log."""
+    m = DEFAULT_LOG_PATTERNS[engine].search(log_text)
+    if not m:
+        return None
+    return ENGINE_NAMES.get(m.group(1), m.group(1).lower())
+
+
+COMPILE_PATTERNS = (re.compile(r"qla-serving: compil\w+ (\d+) kernel"),)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[list[int]],
+                extra_env: dict, budget_end: float) -> tuple[list[dict], dict]:
+    """Start one server, measure every point, stop it. Returns (rows, info)."""
+    logf = work / f"server-{backend}.log"
+    cmd = server_command(s, backend, args.server_arg + profiler_args(s, args, work / f"trace-{backend}"))
+    env = {**os.environ, **extra_env}
+    if backend == "flashqla":
+        env["QLA_STRICT"] = "1"  # a fallback is an error: the row is ours or absent
+    log(f"start {s.engine} {backend} tp{s.tp}: {shlex.join(cmd)}")
+    t0 = time.monotonic()
+    with open(logf, "w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    info: dict = {"backend": backend, "command": shlex.join(cmd)}
+    rows: list[dict] = []
+    try:
+        if not wait_healthy(s.port, proc, min(args.start_timeout, max(0, budget_end - time.monotonic()))):
+            info["error"] = "server did not become healthy"
+            log(f"FAILED start {backend} after {time.monotonic() - t0:.0f} s; log tail:\n{tail(logf)}")
+            return rows, info
+        info["startup_s"] = round(time.monotonic() - t0, 1)
+        log(f"healthy {backend} after {info['startup_s']} s")
+        if prompts:
+            try:
+                info["tokens"] = greedy_tokens(s, prompts, args.agree_tokens)
+            except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
+                info["agree_error"] = f"{type(e).__name__}: {e}"
+                log(f"agreement requests failed on {backend}: {info['agree_error']}")
+        for workload in args.workloads:
+            for conc in args.concurrency:
+                if time.monotonic() > budget_end:
+                    log(f"budget spent: {backend} {workload} c{conc} left out")
+                    info.setdefault("left_out", []).append(f"{workload}@{conc}")
+                    continue
+                n = num_prompts(conc, args.prompts_per_concurrency, args.min_prompts)
+                res = work / f"client-{backend}-{workload}-c{conc}.json"
+                ccmd = client_command(s, workload, conc, n, str(res), warmups=min(conc, args.warmups))
+                t1 = time.monotonic()
+                cp = subprocess.run(ccmd, capture_output=True, text=True, env=env,
+                                    timeout=max(30, budget_end - time.monotonic() + 60))
+                (work / f"client-{backend}-{workload}-c{conc}.log").write_text(cp.stdout + cp.stderr)
+                input_len, output_len = WORKLOADS[workload]
+                row = {"engine": s.engine, "backend": backend, "tp": s.tp, "workload": workload,
+                       "input_len": input_len, "output_len": output_len, "concurrency": conc, "num_prompts": n,
+                       "startup_s": info["startup_s"]}
+                if cp.returncode != 0 or not res.is_file():
+                    row["error"] = f"client exit {cp.returncode}: {(cp.stderr or cp.stdout)[-400:]}"
+                    log(f"FAILED point {backend} {workload} c{conc}: {row['error'][-200:]}")
+                else:
+                    row.update(parse_client_result(s.engine, str(res)))
+                    log(f"point {backend} {workload} c{conc} n={n}: {row['total_tok_s']:.0f} tok/s total, "
+                        f"{row['output_tok_s']:.0f} out, TTFT {row['mean_ttft_ms']:.0f} ms, "
+                        f"TPOT {row['mean_tpot_ms']:.2f} ms ({time.monotonic() - t1:.0f} s)")
+                if proc.poll() is not None:
+                    row["error"] = row.get("error", "") + " server exited"
+                rows.append(row)
+                if proc.poll() is not None:
+                    log(f"server {backend} died; log tail:\n{tail(logf)}")
+                    info["error"] = "server died"
+                    return rows, info
+        if args.profile and proc.poll() is None:
+            info["profile"] = profile_point(s, backend, args, work, env)
+    finally:
+        text = pathlib.Path(logf).read_text(errors="replace") if logf.is_file() else ""
+        info["resolved"] = resolve_default(s.engine, text) if backend == "default" else backend
+        info["fallback"] = "falling back" in text
+        stop(proc)
+    return rows, info
+
+
+def profiler_args(s: Setup, args, trace_dir: pathlib.Path) -> list[str]:
+    """vLLM's torch profiler over a window of engine steps (nothing without --profile)."""
+    if not args.profile or s.engine != "vllm":
+        return []
+    cfg = {"profiler": "torch", "torch_profiler_dir": str(trace_dir.resolve()), "torch_profiler_with_stack": False,
+           "ignore_frontend": True, "delay_iterations": args.profile_delay, "max_iterations": args.profile_steps}
+    return ["--profiler-config", json.dumps(cfg)]
+
+
+def profile_point(s: Setup, backend: str, args, work: pathlib.Path, env: dict) -> dict:
+    """The --profile point once more with the client's --profile (start/stop_profile), summarised."""
+    from . import profile as prof
+
+    workload, conc = args.profile.split(":")
+    conc = int(conc)
+    n = num_prompts(conc, args.prompts_per_concurrency, args.min_prompts)
+    res = work / f"client-{backend}-profile.json"
+    cmd = client_command(s, workload, conc, n, str(res), warmups=0) + ["--profile"]
+    log(f"profile {backend} {workload} c{conc}: {args.profile_steps} steps after {args.profile_delay}")
+    cp = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    (work / f"client-{backend}-profile.log").write_text(cp.stdout + cp.stderr)
+    trace_dir = work / f"trace-{backend}"
+    time.sleep(5)  # the worker writes its trace after stop_profile returns
+    out = {"client_rc": cp.returncode}
+    texts = []
+    for t in prof.find_traces(trace_dir):
+        summ = prof.summarize(prof.load_trace(t))
+        if summ["kernel_us_total"]:
+            texts.append(prof.markdown(f"{backend} {workload} c{conc} — {t.name}", summ, args.profile_steps))
+            out.update(kernel_ms_per_step=summ["kernel_us_total"] / 1e3 / args.profile_steps,
+                       gdn_ms_per_step={k: v / 1e3 / args.profile_steps for k, v in summ["gdn_us"].items()},
+                       gdn_op_host_us=summ["gdn_op_host_us"])
+    table = trace_dir / "profiler_out_0.txt"
+    (pathlib.Path(args.out_dir) / f"profile-{backend}.md").write_text(
+        "\n".join(texts) + ("\n```\n" + "\n".join(table.read_text().splitlines()[:60]) + "\n```\n"
+                            if table.is_file() else ""))
+    log(f"profile {backend}: {out}")
+    return out
+
+
+def finish_rows(rows: list[dict], infos: list[dict], reference: str) -> None:
+    """agree_fraction of every row: its server's greedy tokens against the reference backend's."""
+    tokens = {i["backend"]: i.get("tokens") for i in infos}
+    ref = tokens.get(reference)
+    for r in rows:
+        r["agree_fraction"] = agree_fraction(ref, tokens.get(r["backend"])) if ref else None
+        for k in ROW_KEYS:
+            r.setdefault(k, None)
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    return out[0] if out else "unknown"
+
+
+def versions(engine: str) -> dict:
+    import importlib.metadata as md
+
+    names = ["qla-serving", "torch", "triton", "tilelang", "apache-tvm-ffi", "flashinfer-python", "fla-core"]
+    names.insert(0, "vllm" if engine == "vllm" else "sglang")
+    out = {}
+    for n in names:
+        try:
+            out[n] = md.version(n)
+        except md.PackageNotFoundError:
+            out[n] = None
+    return out
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def results_stem(gpu: str, engine: str, tp: int, tag: str = "") -> str:
+    date = _dt.date.today().isoformat()
+    return f"{date}-{slug(gpu)}-serve-{engine}-tp{tp}" + (f"-{tag}" if tag else "")
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"# Serving benchmark: {meta.get('engine')} TP {meta.get('tp')} on {meta.get('gpus')} x {meta.get('gpu')}",
+             "", f"Model: {meta.get('model')}", "", f"Versions: {json.dumps(meta.get('versions'))}", "",
+             f"Command: `{meta.get('command')}`", ""]
+    if meta.get("backends"):
+        lines += ["| backend | resolved | start-up s | fallback | agreement with the reference |",
+                  "|---|---|---|---|---|"]
+        for b in meta["backends"]:
+            lines.append(f"| {b['backend']} | {b.get('resolved')} | {b.get('startup_s')} | {b.get('fallback')} | "
+                         f"{b.get('agree_fraction')} |")
+        lines.append("")
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        sub = [r for r in rows if r["workload"] == workload]
+        lines += [f"## {workload} ({sub[0]['input_len']} in / {sub[0]['output_len']} out)", "",
+                  "| backend | conc | prompts | total tok/s | output tok/s | req/s | mean TTFT ms | p99 TTFT ms | "
+                  "mean TPOT ms | p99 TPOT ms | agree |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        fmt = lambda v, d=1: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
+        for r in sorted(sub, key=lambda r: (r["concurrency"], r["backend"])):
+            if r.get("error"):
+                lines.append(f"| {r['backend']} | {r['concurrency']} | {r.get('num_prompts')} | failed: "
+                             f"{r['error'][:80]} | | | | | | | |")
+                continue
+            lines.append(f"| {r['backend']} | {r['concurrency']} | {r['num_prompts']} | {fmt(r['total_tok_s'], 0)} | "
+                         f"{fmt(r['output_tok_s'], 0)} | {fmt(r['request_throughput'], 2)} | "
+                         f"{fmt(r['mean_ttft_ms'])} | {fmt(r['p99_ttft_ms'])} | {fmt(r['mean_tpot_ms'], 2)} | "
+                         f"{fmt(r['p99_tpot_ms'], 2)} | {fmt(r['agree_fraction'], 3)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(meta: dict, rows: list[dict], stem: pathlib.Path) -> list[str]:
+    """One PNG per workload: total tok/s and mean TTFT against concurrency, a line per backend."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plots (run `python -m e2e_bench.serve report FILE.json` elsewhere)")
+        return []
+    written = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        for backend in dict.fromkeys(r["backend"] for r in rows):
+            pts = sorted((r["concurrency"], r["total_tok_s"], r["mean_ttft_ms"]) for r in rows
+                         if r["workload"] == workload and r["backend"] == backend and not r.get("error"))
+            if not pts:
+                continue
+            c, tok, ttft = zip(*pts)
+            ax1.plot(c, tok, marker="o", label=backend)
+            ax2.plot(c, ttft, marker="o", label=backend)
+        for ax, title in ((ax1, "total throughput (tok/s)"), (ax2, "mean TTFT (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+        ax1.legend()
+        fig.suptitle(f"{meta.get('engine')} TP{meta.get('tp')} {workload} {WORKLOADS[workload]} · "
+                     f"{meta.get('model_name')} · {meta.get('gpu')}", fontsize=9)
+        fig.tight_layout()
+        path = f"{stem}-{workload}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_results(out_dir: pathlib.Path, stem: str, meta: dict, rows: list[dict]) -> pathlib.Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown(meta, rows) + "\n")
+    plot(meta, rows, out_dir / stem)
+    return path
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m e2e_bench.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=ENGINES, required=True)
+    p.add_argument("--model", default="qwen3.5-397b-a17b", help="a name in e2e_bench/models/")
+    p.add_argument("--layers", type=int, default=4, help="layers kept (a multiple of the full-attention interval)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                   help="'default' is the engine's own choice, resolved from its log and recorded by name; "
+                        "an explicit backend equal to it is not run twice")
+    p.add_argument("--reference", default="default", choices=BACKENDS, help="agree_fraction is measured against it")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 128])
+    p.add_argument("--prompts-per-concurrency", type=int, default=2)
+    p.add_argument("--min-prompts", type=int, default=4)
+    p.add_argument("--warmups", type=int, default=4, help="client warm-up requests per point (at most the concurrency)")
+    p.add_argument("--agree-prompts", type=int, default=8)
+    p.add_argument("--agree-tokens", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=0, help="max model length (default: the longest workload + 1024)")
+    p.add_argument("--port", type=int, default=8321)
+    p.add_argument("--start-timeout", type=float, default=480)
+    p.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: none); points past it are left out")
+    p.add_argument("--server-arg", action="append", default=[], help="one more server argument (repeatable)")
+    p.add_argument("--profile", default="", metavar="WORKLOAD:CONC",
+                   help="vLLM: run this point once more under the engine's torch profiler (a window of "
+                        "--profile-steps steps after --profile-delay) and summarise the trace (e2e_bench/profile.py)")
+    p.add_argument("--profile-delay", type=int, default=40)
+    p.add_argument("--profile-steps", type=int, default=20)
+    p.add_argument("--tag", default="")
+    p.add_argument("--out-dir", default=str(RESULTS_DIR))
+    p.add_argument("--work-dir", default="")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and commands; start nothing")
+    args = p.parse_args(argv)
+    for c in args.concurrency:
+        if c < 1:
+            p.error(f"--concurrency {c}: must be >= 1")
+    if args.tp < 1:
+        p.error(f"--tp {args.tp}: must be >= 1")
+    return args
+
+
+def report(paths: list[str]) -> int:
+    for path in paths:
+        data = json.loads(pathlib.Path(path).read_text())
+        stem = pathlib.Path(path).with_suffix("")
+        stem.with_suffix(".md").write_text(markdown(data["meta"], data["rows"]) + "\n")
+        for png in plot(data["meta"], data["rows"], stem):
+            log(f"wrote {png}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "report":
+        return report(argv[1:])
+    args = parse_args(argv)
+    spec = model_spec(args.model)
+    max_len = args.max_len or max(i + o for i, o in (WORKLOADS[w] for w in args.workloads)) + 1024
+    work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="qla-serve-"))
+    model_dir = write_model(spec, args.layers, max_len, work / "model")
+    s = Setup(args.engine, model_dir, args.tp, max_len, args.port, spec.get("state_dtype"),
+              multimodal=spec["architecture"].endswith("ForConditionalGeneration"))
+    backends = list(dict.fromkeys(args.backends))
+    if args.reference in backends:  # the reference first: its tokens are what the others are compared to
+        backends.remove(args.reference)
+        backends.insert(0, args.reference)
+    gdn_layers = layer_types(args.layers, spec["full_attention_interval"]).count("linear_attention")
+    model_text = (f"{spec['name']} per-layer shapes ({spec['source']}), {args.layers} of {spec['num_hidden_layers']} "
+                  f"layers ({gdn_layers} GDN), GDN heads {spec['linear_num_key_heads']}/{spec['linear_num_value_heads']} "
+                  f"({spec['linear_num_key_heads'] // args.tp}/{spec['linear_num_value_heads'] // args.tp} per rank), "
+                  f"{spec['num_experts']} experts top-{spec['num_experts_per_tok']}, dummy weights with GDN gates "
+                  f"re-drawn, state dtype {spec.get('state_dtype') or 'engine default'}")
+    if args.dry_run:
+        log(f"model: {model_text}")
+        for b in backends:
+            print(shlex.join(server_command(s, b, args.server_arg)))
+        for w in args.workloads:
+            for c in args.concurrency:
+                n = num_prompts(c, args.prompts_per_concurrency, args.min_prompts)
+                print(shlex.join(client_command(s, w, c, n, str(work / f"client-{w}-c{c}.json"),
+                                                warmups=min(c, args.warmups))))
+        return 0
+    start = time.monotonic()
+    budget_end = start + args.budget if args.budget else float("inf")
+    prompts = agreement_prompts(args.agree_prompts, 200, 4000, seed=1) if args.agree_prompts else []
+    gpu = gpu_name()
+    rows: list[dict] = []
+    infos: list[dict] = []
+    resolved_default = None
+    for backend in backends:
+        if backend != "default" and backend == resolved_default:
+            log(f"skip {backend}: it is the engine's default, measured as 'default'")
+            continue
+        if time.monotonic() > budget_end:
+            log(f"budget spent: {backend} not started")
+            infos.append({"backend": backend, "error": "left out (budget)"})
+            continue
+        r, info = run_backend(s, backend, args, work, prompts, {}, budget_end)
+        if backend == "default":
+            resolved_default = info.get("resolved")
+            for row in r:
+                row["backend_resolved"] = resolved_default
+        rows += r
+        infos.append(info)
+    finish_rows(rows, infos, args.reference)
+    for info in infos:
+        info["agree_fraction"] = agree_fraction(next((i.get("tokens") for i in infos if i["backend"] == args.reference), None),
+                                                info.get("tokens"))
+    meta = {
+        "gpu": gpu, "gpus": args.tp, "engine": args.engine, "tp": args.tp, "versions": versions(args.engine),
+        "model": model_text, "model_name": spec["name"],
+        "command": shlex.join(["python", "-m", "e2e_bench.serve", *argv]),
+        "server_commands": {i["backend"]: i.get("command") for i in infos},
+        "backends": [{k: v for k, v in i.items() if k not in ("tokens", "command")} for i in infos],
+        "reference": args.reference, "agreement": f"{args.agree_prompts} prompts of 200-4000 tokens x "
+                                                   f"{args.agree_tokens} greedy tokens, one request at a time",
+        "prompts": f"max({args.min_prompts}, {args.prompts_per_concurrency} x concurrency) per point, "
+                   f"{args.warmups} warm-up requests (at most the concurrency)",
+        "wall_s": round(time.monotonic() - start, 1),
+    }
+    (work / "tokens.json").write_text(json.dumps({i["backend"]: i.get("tokens") for i in infos}))
+    path = write_results(pathlib.Path(args.out_dir), results_stem(gpu, args.engine, args.tp, args.tag), meta, rows)
+    log(f"wrote {path}")
+    failed = [i["backend"] for i in infos if i.get("error")] + [r["backend"] for r in rows if r.get("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
