@@ -36,7 +36,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -56,6 +55,8 @@ ENGINES = ("vllm", "sglang")
 BACKENDS = ("flashqla", "default", "flashinfer", "triton")
 TOKENIZER_WORDS = 32000  # word ids 0..31999; the end-of-text token comes after them
 EOS_TEXT = "<|endoftext|>"
+# `vllm` as this interpreter runs it (the GPU machine carries vLLM on PYTHONPATH, no console script)
+VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 ROW_KEYS = ("engine", "backend", "tp", "workload", "input_len", "output_len", "concurrency",
             "num_prompts", "request_throughput", "total_tok_s", "output_tok_s", "mean_ttft_ms",
             "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "agree_fraction", "startup_s")
@@ -171,7 +172,7 @@ class Setup:
 def server_command(s: Setup, backend: str, extra: list[str] = ()) -> list[str]:
     """The server's command line: identical for every backend except the backend flag."""
     if s.engine == "vllm":
-        cmd = ["vllm", "serve", s.model_dir, "--served-model-name", "bench", "--port", str(s.port),
+        cmd = [*VLLM_CLI, "serve", s.model_dir, "--served-model-name", "bench", "--port", str(s.port),
                "--host", "127.0.0.1", "--tokenizer", tokenizer_dir(s.model_dir), "--load-format", "qla_dummy", "--max-model-len", str(s.max_len),
                "--tensor-parallel-size", str(s.tp), "--seed", "0"]
         if s.multimodal:
@@ -209,7 +210,7 @@ def client_command(s: Setup, workload: str, concurrency: int, prompts: int, resu
     base = f"http://127.0.0.1:{s.port}"
     if s.engine == "vllm":
         out = pathlib.Path(result_file)
-        return ["vllm", "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "bench",
+        return [*VLLM_CLI, "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "bench",
                 "--tokenizer", tokenizer_dir(s.model_dir), "--dataset-name", "random", "--random-input-len", str(input_len),
                 "--random-output-len", str(output_len), "--random-range-ratio", "0", "--num-prompts",
                 str(prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
@@ -456,11 +457,24 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, env: dict) -
                        gdn_ms_per_step={k: v / 1e3 / args.profile_steps for k, v in summ["gdn_us"].items()},
                        gdn_op_host_us=summ["gdn_op_host_us"])
     table = trace_dir / "profiler_out_0.txt"
-    (pathlib.Path(args.out_dir) / f"profile-{backend}.md").write_text(
+    stem = results_stem(gpu_name(), s.engine, s.tp, args.tag)
+    (pathlib.Path(args.out_dir) / f"{stem}-profile-{backend}.md").write_text(
         "\n".join(texts) + ("\n```\n" + "\n".join(table.read_text().splitlines()[:60]) + "\n```\n"
                             if table.is_file() else ""))
     log(f"profile {backend}: {out}")
     return out
+
+
+def save_backend(work: pathlib.Path, key: dict, rows: list[dict], info: dict) -> None:
+    (work / f"backend-{info['backend']}.json").write_text(json.dumps({"key": key, "rows": rows, "info": info}))
+
+
+def load_backend(work: pathlib.Path, backend: str, key: dict) -> dict | None:
+    path = work / f"backend-{backend}.json"
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return saved if saved.get("key") == key else None
 
 
 def finish_rows(rows: list[dict], infos: list[dict], reference: str) -> None:
@@ -616,7 +630,8 @@ def parse_args(argv):
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--tag", default="")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
-    p.add_argument("--work-dir", default="")
+    p.add_argument("--work-dir", default="", help="servers' logs, client results and each backend's rows; "
+                   "default /tmp/qla-serve-<engine>-<model>-tp<N>, so calls of one backend each add up")
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands; start nothing")
     args = p.parse_args(argv)
     for c in args.concurrency:
@@ -644,7 +659,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     spec = model_spec(args.model)
     max_len = args.max_len or max(i + o for i, o in (WORKLOADS[w] for w in args.workloads)) + 1024
-    work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="qla-serve-"))
+    work = pathlib.Path(args.work_dir or f"/tmp/qla-serve-{args.engine}-{args.model}-tp{args.tp}")
+    work.mkdir(parents=True, exist_ok=True)
     model_dir = write_model(spec, args.layers, max_len, work / "model")
     s = Setup(args.engine, model_dir, args.tp, max_len, args.port, spec.get("state_dtype"),
               multimodal=spec["architecture"].endswith("ForConditionalGeneration"))
@@ -672,24 +688,31 @@ def main(argv=None) -> int:
     budget_end = start + args.budget if args.budget else float("inf")
     prompts = agreement_prompts(args.agree_prompts, 200, 4000, seed=1) if args.agree_prompts else []
     gpu = gpu_name()
-    rows: list[dict] = []
-    infos: list[dict] = []
-    resolved_default = None
+    key = {"engine": args.engine, "model": args.model, "layers": args.layers, "tp": args.tp, "gpu": gpu}
+    command = shlex.join(["python", "-m", "e2e_bench.serve", *argv])
     for backend in backends:
+        resolved_default = (load_backend(work, "default", key) or {}).get("info", {}).get("resolved")
         if backend != "default" and backend == resolved_default:
             log(f"skip {backend}: it is the engine's default, measured as 'default'")
             continue
         if time.monotonic() > budget_end:
             log(f"budget spent: {backend} not started")
-            infos.append({"backend": backend, "error": "left out (budget)"})
+            save_backend(work, key, [], {"backend": backend, "error": "left out (budget)", "call": command})
             continue
         r, info = run_backend(s, backend, args, work, prompts, {}, budget_end)
-        if backend == "default":
-            resolved_default = info.get("resolved")
-            for row in r:
-                row["backend_resolved"] = resolved_default
-        rows += r
-        infos.append(info)
+        info["call"] = command
+        save_backend(work, key, r, info)
+    # every backend measured into this work directory for the same setup, this call's and earlier
+    # calls' (a run split over several commands, one server each)
+    rows, infos = [], []
+    for backend in BACKENDS:
+        saved = load_backend(work, backend, key)
+        if saved:
+            if backend == "default":
+                for row in saved["rows"]:
+                    row["backend_resolved"] = saved["info"].get("resolved")
+            rows += saved["rows"]
+            infos.append(saved["info"])
     finish_rows(rows, infos, args.reference)
     for info in infos:
         info["agree_fraction"] = agree_fraction(next((i.get("tokens") for i in infos if i["backend"] == args.reference), None),
@@ -697,9 +720,9 @@ def main(argv=None) -> int:
     meta = {
         "gpu": gpu, "gpus": args.tp, "engine": args.engine, "tp": args.tp, "versions": versions(args.engine),
         "model": model_text, "model_name": spec["name"],
-        "command": shlex.join(["python", "-m", "e2e_bench.serve", *argv]),
+        "command": command, "calls": list(dict.fromkeys(i.get("call") for i in infos if i.get("call"))),
         "server_commands": {i["backend"]: i.get("command") for i in infos},
-        "backends": [{k: v for k, v in i.items() if k not in ("tokens", "command")} for i in infos],
+        "backends": [{k: v for k, v in i.items() if k not in ("tokens", "command", "call")} for i in infos],
         "reference": args.reference, "agreement": f"{args.agree_prompts} prompts of 200-4000 tokens x "
                                                    f"{args.agree_tokens} greedy tokens, one request at a time",
         "prompts": f"max({args.min_prompts}, {args.prompts_per_concurrency} x concurrency) per point, "

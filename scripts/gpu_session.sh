@@ -10,6 +10,8 @@
 # without AutoCP, and one throughput-bound cell, 16/64 heads 8x4096; details page and per-SASS-line
 # stall samples, the hottest lines summarised by scripts/ncu_hot.py, all in
 # $OUT/profile-prefill.tar.xz; the .ncu-rep files stay in /tmp, they are large).
+# serve (the serving benchmark, e2e_bench/serve.py, arguments in QLA_SERVE_ARGS; the servers' and
+# clients' logs of every run in /tmp go back as $OUT/serve-logs.tar.xz).
 # Extra pytest arguments: QLA_PYTEST_ARGS="-k decode".
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,6 +47,12 @@ for step in "$@"; do
         tar -C "$OUT" -cJf "$OUT/profile-prefill.tar.xz" --remove-files \
           $(cd "$OUT" && ls profile-*-details.txt profile-*-sass.csv.xz profile-*-hot.txt profile-*-run.log 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/profile-prefill.log" | tail -80 ;;
+    serve)
+      ( rc=0
+        python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} --out-dir "$OUT" || rc=$?
+        tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
+          $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
+        exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
   rc=${PIPESTATUS[0]}

@@ -39,8 +39,9 @@ def test_server_command_parses_and_builds_the_engine_config(registered, setup, b
 
     spec, s = setup
     cmd = serve.server_command(s, backend)
-    assert cmd[:3] == ["vllm", "serve", s.model_dir]
-    args = _serve_parser().parse_args(cmd[2:])
+    n = len(serve.VLLM_CLI)
+    assert cmd[: n + 2] == [*serve.VLLM_CLI, "serve", s.model_dir]
+    args = _serve_parser().parse_args(cmd[n + 1:])
     args.model = args.model_tag
     assert args.gdn_prefill_backend == expected
     assert args.load_format == "qla_dummy" and args.tensor_parallel_size == 1
@@ -69,7 +70,7 @@ def test_other_backends_differ_only_in_the_flag(setup):
 def test_tp_command_disables_custom_all_reduce(registered, setup):
     _, s = setup
     s4 = serve.Setup(**{**s.__dict__, "tp": 4})
-    args = _serve_parser().parse_args(serve.server_command(s4, "flashqla")[2:])
+    args = _serve_parser().parse_args(serve.server_command(s4, "flashqla")[len(serve.VLLM_CLI) + 1:])
     assert args.tensor_parallel_size == 4 and args.disable_custom_all_reduce
 
 
@@ -83,8 +84,9 @@ def test_client_command_parses_with_vllms_bench_parser(setup, tmp_path):
     add_cli_args(p)
     for workload, (i, o) in serve.WORKLOADS.items():
         cmd = serve.client_command(s, workload, 32, 64, str(tmp_path / "r.json"), warmups=4)
-        assert cmd[:3] == ["vllm", "bench", "serve"]
-        a = p.parse_args(cmd[3:])
+        n = len(serve.VLLM_CLI)
+        assert cmd[: n + 2] == [*serve.VLLM_CLI, "bench", "serve"]
+        a = p.parse_args(cmd[n + 2:])
         assert (a.random_input_len, a.random_output_len, a.max_concurrency, a.num_prompts) == (i, o, 32, 64)
         assert a.ignore_eos and a.save_result and a.dataset_name == "random" and float(a.random_range_ratio) == 0
         assert a.tokenizer == serve.tokenizer_dir(s.model_dir) and a.result_filename == "r.json"
@@ -119,7 +121,7 @@ def test_parse_client_result_reads_vllms_keys(tmp_path):
     for k in ("request_throughput", "output_throughput", "total_token_throughput", "completed"):
         assert f'"{k}"' in src
     for k in ("ttft", "tpot", "itl"):
-        assert f'f"mean_{{metric_attribute_name}}_ms"' in src or f'"mean_{k}_ms"' in src
+        assert 'f"mean_{metric_attribute_name}_ms"' in src or f'"mean_{k}_ms"' in src
     data = {k: float(i + 1) for i, k in enumerate(keys)}
     (tmp_path / "r.json").write_text(json.dumps(data))
     row = serve.parse_client_result("vllm", str(tmp_path / "r.json"))

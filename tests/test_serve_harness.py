@@ -1,0 +1,141 @@
+"""The serving benchmark's planning, metric, merging and reports, without an engine (CPU).
+
+The commands it builds are parsed by the engines' own parsers in tests/vllm and tests/sglang.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from e2e_bench import profile, serve
+
+
+def test_workloads_are_the_issues():
+    assert serve.WORKLOADS == {"long": (32768, 256), "retrieval": (8192, 512), "chat": (2048, 1024),
+                               "short": (1024, 128)}
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-397b-a17b", "qwen3-next-80b-a3b"])
+def test_model_configs_keep_the_released_layout(name):
+    spec = serve.model_spec(name)
+    cfg = serve.hf_config(spec, 8, 4096)
+    text = cfg.get("text_config", cfg)
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+    assert text["num_hidden_layers"] == 8 and text["max_position_embeddings"] == 4096
+    assert text["linear_key_head_dim"] == text["linear_value_head_dim"] == 128
+    assert text["eos_token_id"] == serve.TOKENIZER_WORDS
+    with pytest.raises(ValueError, match="multiple of the full-attention interval 4"):
+        serve.hf_config(spec, 6, 4096)
+    with pytest.raises(SystemExit, match="no model 'nope'"):
+        serve.model_spec("nope")
+
+
+def test_tokenizer_decodes_words_with_spaces(tmp_path):
+    tok = serve.tokenizer_json(5)
+    assert tok["model"]["vocab"] == {"w0": 0, "w1": 1, "w2": 2, "w3": 3, "w4": 4, serve.EOS_TEXT: 5}
+    d = serve.write_model(serve.model_spec("qwen3-next-80b-a3b"), 4, 2048, tmp_path / "m")
+    assert (tmp_path / "m" / "config.json").is_file()
+    assert not (tmp_path / "m" / "tokenizer.json").exists()  # apart from the config, see write_model
+    assert json.loads((tmp_path / "m" / "tokenizer" / "tokenizer.json").read_text())["decoder"]["type"] == "WordPiece"
+    assert serve.tokenizer_dir(d) == str(tmp_path / "m" / "tokenizer")
+
+
+def test_agreement_counts_tokens_before_the_first_divergence():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert serve.agree_fraction(ref, ref) == 1.0
+    assert serve.agree_fraction(ref, [[1, 2, 9, 4], [5, 6, 7, 8]]) == 6 / 8  # the 4 after a divergence don't count
+    assert serve.agree_fraction(ref, [[0, 2, 3, 4], [0, 6, 7, 8]]) == 0.0
+    assert serve.agree_fraction(ref, None) is None and serve.agree_fraction(ref, ref[:1]) is None
+    prompts = serve.agreement_prompts(4, 200, 4000, seed=1)
+    assert [len(p) for p in prompts] == [200, 1466, 2733, 4000]
+    assert prompts == serve.agreement_prompts(4, 200, 4000, seed=1)
+    assert all(0 <= t < serve.TOKENIZER_WORDS for p in prompts for t in p)
+
+
+def test_default_backend_is_read_from_the_engine_log():
+    log = "INFO ... Using FlashInfer GDN prefill kernel (requested=auto, head_k_dim=128).\n"
+    assert serve.resolve_default("vllm", log) == "flashinfer"
+    assert serve.resolve_default("vllm", log.replace("FlashInfer", "Triton/FLA")) == "triton"
+    assert serve.resolve_default("vllm", "Using FlashInfer GDN prefill kernel (requested=flashinfer") is None
+    assert serve.resolve_default("vllm", "") is None
+
+
+def test_sglang_result_takes_the_last_json_line(tmp_path):
+    lines = [{"total_throughput": 1.0, "output_throughput": 2.0}, {"total_throughput": 10.0,
+             "output_throughput": 20.0, "mean_ttft_ms": 3.0, "request_throughput": 0.5, "completed": 8}]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    row = serve.parse_client_result("sglang", str(tmp_path / "r.jsonl"))
+    assert row["total_tok_s"] == 10.0 and row["output_tok_s"] == 20.0 and row["completed"] == 8
+    assert row["p99_tpot_ms"] is None
+
+
+def test_backends_saved_by_separate_calls_are_merged(tmp_path):
+    key = {"engine": "vllm", "model": "m", "layers": 4, "tp": 1, "gpu": "g"}
+    serve.save_backend(tmp_path, key, [{"backend": "triton", "x": 1}], {"backend": "triton", "tokens": [[1]]})
+    assert serve.load_backend(tmp_path, "triton", key)["rows"] == [{"backend": "triton", "x": 1}]
+    assert serve.load_backend(tmp_path, "triton", {**key, "tp": 2}) is None  # another setup: not merged
+    assert serve.load_backend(tmp_path, "flashqla", key) is None
+
+
+def _rows():
+    rows = []
+    for b, tok in (("triton", 100.0), ("flashqla", 120.0)):
+        for c in (1, 32):
+            rows.append({"engine": "vllm", "backend": b, "tp": 1, "workload": "chat", "input_len": 2048,
+                         "output_len": 1024, "concurrency": c, "num_prompts": 4, "request_throughput": 0.1,
+                         "total_tok_s": tok * c, "output_tok_s": tok, "mean_ttft_ms": 10.0, "p99_ttft_ms": 20.0,
+                         "mean_tpot_ms": 5.0, "p99_tpot_ms": 6.0, "mean_itl_ms": 5.0, "agree_fraction": 1.0,
+                         "startup_s": 100.0})
+    rows.append({**rows[0], "concurrency": 128, "error": "client exit 1: boom"})
+    return rows
+
+
+def test_results_files_table_and_plots(tmp_path):
+    meta = {"engine": "vllm", "tp": 1, "gpu": "H100", "gpus": 1, "model": "m", "model_name": "m", "command": "c",
+            "backends": [{"backend": "triton", "resolved": "triton", "startup_s": 90.0}]}
+    path = serve.write_results(tmp_path, "stem", meta, _rows())
+    data = json.loads(path.read_text())
+    assert data["meta"]["engine"] == "vllm" and len(data["rows"]) == 5
+    md = (tmp_path / "stem.md").read_text()
+    assert "## chat (2048 in / 1024 out)" in md and "| flashqla | 32 | 4 | 3840 |" in md
+    assert "failed: client exit 1: boom" in md
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "stem-chat.png").stat().st_size > 1000
+    assert serve.report([str(path)]) == 0
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    for argv, msg in ((["--engine", "vllm", "--concurrency", "0"], "--concurrency 0"),
+                      (["--engine", "vllm", "--tp", "0"], "--tp 0"),
+                      (["--engine", "nope"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            serve.parse_args(argv)
+        assert msg in capsys.readouterr().err
+
+
+def test_profile_summary_splits_gdn_kernels_from_the_rest(tmp_path):
+    ev = [
+        {"ph": "X", "cat": "kernel", "name": "gdn_decode_kernel", "ts": 0, "dur": 300},
+        {"ph": "X", "cat": "kernel", "name": "_causal_conv1d_update_kernel", "ts": 300, "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 320, "dur": 680},
+        {"ph": "X", "cat": "cpu_op", "name": profile.GDN_OP, "ts": 0, "dur": 40},
+        {"ph": "X", "cat": "cpu_op", "name": profile.GDN_OP, "ts": 50, "dur": 60},
+        {"ph": "i", "cat": "kernel", "name": "ignored"},
+    ]
+    d = tmp_path / "trace"
+    d.mkdir()
+    with gzip.open(d / "rank0.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    traces = profile.find_traces(tmp_path)
+    s = profile.summarize(profile.load_trace(traces[0]))
+    assert s["kernel_us_total"] == 1000 and s["gpu_span_us"] == 1000
+    assert s["gdn_us"] == {"recurrence (decode)": 300, "conv1d": 20}
+    assert s["gdn_share"] == pytest.approx(0.32)
+    assert s["gdn_op_host_us"]["calls"] == 2 and s["gdn_op_host_us"]["median"] == 50
+    md = profile.markdown("x", s, steps=2)
+    assert "0.50 ms per step over 2 steps" in md and "GDN core share 32.0%" in md
+    assert profile.main([str(tmp_path), "--out", str(tmp_path / "p.md")]) == 0
