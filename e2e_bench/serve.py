@@ -435,7 +435,7 @@ def profiler_args(s: Setup, args, trace_dir: pathlib.Path) -> list[str]:
 
 def profile_point(s: Setup, backend: str, args, work: pathlib.Path, env: dict) -> dict:
     """The --profile point once more with the client's --profile (start/stop_profile), summarised."""
-    from . import profile as prof
+    from . import trace_summary as prof
 
     workload, conc = args.profile.split(":")
     conc = int(conc)
@@ -625,7 +625,7 @@ def parse_args(argv):
     p.add_argument("--server-arg", action="append", default=[], help="one more server argument (repeatable)")
     p.add_argument("--profile", default="", metavar="WORKLOAD:CONC",
                    help="vLLM: run this point once more under the engine's torch profiler (a window of "
-                        "--profile-steps steps after --profile-delay) and summarise the trace (e2e_bench/profile.py)")
+                        "--profile-steps steps after --profile-delay) and summarise the trace (e2e_bench/trace_summary.py)")
     p.add_argument("--profile-delay", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--tag", default="")

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from e2e_bench import profile, serve
+from e2e_bench import serve
+from e2e_bench import trace_summary as profile
 
 
 def test_workloads_are_the_issues():

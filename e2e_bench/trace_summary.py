@@ -7,7 +7,7 @@ name, the GDN layer's share (the kernels that :data:`GDN_PATTERNS` name), kernel
 step, and the host time of each GDN custom-op call (``vllm::qwen_gdn_attention_core``, on the
 host only where the step runs outside a full CUDA graph).
 
-    python -m e2e_bench.profile TRACE_DIR [--label flashqla] [--out summary.md]
+    python -m e2e_bench.trace_summary TRACE_DIR [--label flashqla] [--out summary.md]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def find_traces(directory: pathlib.Path) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m e2e_bench.profile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m e2e_bench.trace_summary", description=__doc__.split("\n\n")[0])
     p.add_argument("trace_dir")
     p.add_argument("--label", default="")
     p.add_argument("--steps", type=int, default=None, help="engine steps in the window (per-step time)")
