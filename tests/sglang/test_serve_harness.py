@@ -1,0 +1,66 @@
+"""The serving benchmark's SGLang commands (e2e_bench/serve.py), parsed by SGLang's own parsers.
+
+No server starts: `sglang.launch_server`'s command goes through SGLang's server-argument parser
+(with our plugin loaded, as in every SGLang process) and `sglang.bench_serving`'s through the
+client's own `cli_main`, stopped where it would start benchmarking.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from e2e_bench import serve
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    spec = serve.model_spec("qwen3-next-80b-a3b")
+    d = serve.write_model(spec, 4, 4096, tmp_path_factory.mktemp("qwen3next"))
+    return serve.Setup("sglang", d, 1, 4096)
+
+
+@pytest.mark.parametrize("backend,expected", [("flashqla", "flashqla"), ("default", None),
+                                              ("flashinfer", "flashinfer"), ("triton", "triton")])
+def test_server_command_parses_with_sglangs_parser(sglang_plugins, setup, backend, expected):
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    cmd = serve.server_command(setup, backend)
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    args = p.parse_args(cmd[3:])
+    assert args.model_path == setup.model_dir and args.tokenizer_path == serve.tokenizer_dir(setup.model_dir)
+    assert args.load_format == "dummy" and args.tp_size == 1 and args.context_length == 4096
+    assert args.linear_attn_backend == (expected or p.get_default("linear_attn_backend"))
+    assert not getattr(args, "disable_cuda_graph", False)  # CUDA graphs as SGLang ships them
+
+
+def test_tp_command(sglang_plugins, setup):
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    args = p.parse_args(serve.server_command(serve.Setup(**{**setup.__dict__, "tp": 4}), "flashqla")[3:])
+    assert args.tp_size == 4 and args.disable_custom_all_reduce
+
+
+def test_client_command_parses_with_sglangs_bench_serving(setup, tmp_path, monkeypatch):
+    from sglang.benchmark import serving
+
+    seen = []
+    monkeypatch.setattr(serving, "run_benchmark", seen.append)
+    for workload, (i, o) in serve.WORKLOADS.items():
+        cmd = serve.client_command(setup, workload, 8, 16, str(tmp_path / "r.jsonl"), warmups=2)
+        assert cmd[:3] == [sys.executable, "-m", "sglang.bench_serving"]
+        monkeypatch.setattr(sys, "argv", ["bench_serving", *cmd[3:]])
+        serving.cli_main()
+        a = seen[-1]
+        assert (a.random_input_len, a.random_output_len, a.max_concurrency, a.num_prompts) == (i, o, 8, 16)
+        assert a.dataset_name == "random" and float(a.random_range_ratio) == 1.0 and a.warmup_requests == 2
+        assert a.output_file == str(tmp_path / "r.jsonl") and a.tokenizer == serve.tokenizer_dir(setup.model_dir)
