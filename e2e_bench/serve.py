@@ -294,6 +294,38 @@ def greedy_tokens(s: Setup, prompts: list[list[int]], max_tokens: int, timeout: 
 # ----------------------------------------------------------------------------- server lifecycle
 
 
+class Client:
+    """The engine's benchmark client in one long-lived process (e2e_bench/serve_client.py): the
+    engine is imported once per server, not once per point."""
+
+    def __init__(self, engine: str, env: dict):
+        self.engine, self.env, self.proc = engine, env, None
+
+    def run(self, cmd: list[str], log_path: pathlib.Path) -> tuple[int, str]:
+        prefix = len(VLLM_CLI) + 2 if self.engine == "vllm" else 3  # the client's own arguments follow
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "e2e_bench.serve_client", self.engine],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env,
+                                         cwd=str(HERE.parent))
+            if "ready" not in (self.proc.stdout.readline() or ""):
+                return 1, "the benchmark client did not start"
+        self.proc.stdin.write(json.dumps({"argv": cmd[prefix:], "log": str(log_path)}) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            return 1, "the benchmark client exited"
+        a = json.loads(answer)
+        return a["rc"], a.get("error", "")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -369,6 +401,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     info: dict = {"backend": backend, "command": shlex.join(cmd)}
     rows: list[dict] = []
+    client = Client(s.engine, env)
     try:
         if not wait_healthy(s.port, proc, min(args.start_timeout, max(0, budget_end - time.monotonic()))):
             info["error"] = "server did not become healthy"
@@ -391,19 +424,22 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                 n = num_prompts(conc, args.prompts_per_concurrency, args.min_prompts)
                 res = work / f"client-{backend}-{workload}-c{conc}.json"
                 ccmd = client_command(s, workload, conc, n, str(res), warmups=min(conc, args.warmups))
+                res.unlink(missing_ok=True)  # an earlier call's file must not stand in for this point
                 t1 = time.monotonic()
-                cp = subprocess.run(ccmd, capture_output=True, text=True, env=env,
-                                    timeout=max(30, budget_end - time.monotonic() + 60))
-                (work / f"client-{backend}-{workload}-c{conc}.log").write_text(cp.stdout + cp.stderr)
+                rc, err = client.run(ccmd, work / f"client-{backend}-{workload}-c{conc}.log")
                 input_len, output_len = WORKLOADS[workload]
                 row = {"engine": s.engine, "backend": backend, "tp": s.tp, "workload": workload,
                        "input_len": input_len, "output_len": output_len, "concurrency": conc, "num_prompts": n,
                        "startup_s": info["startup_s"]}
-                if cp.returncode != 0 or not res.is_file():
-                    row["error"] = f"client exit {cp.returncode}: {(cp.stderr or cp.stdout)[-400:]}"
-                    log(f"FAILED point {backend} {workload} c{conc}: {row['error'][-200:]}")
+                if rc != 0 or not res.is_file():
+                    row["error"] = f"client exit {rc}: {err or ''} {tail(work / f'client-{backend}-{workload}-c{conc}.log', 5)}"
                 else:
                     row.update(parse_client_result(s.engine, str(res)))
+                if not row.get("error") and row["completed"] < n:  # the clients count failed requests, exit 0
+                    row["error"] = f"{row['completed']} of {n} requests completed"
+                if row.get("error"):
+                    log(f"FAILED point {backend} {workload} c{conc}: {row['error'][-200:]}")
+                else:
                     log(f"point {backend} {workload} c{conc} n={n}: {row['total_tok_s']:.0f} tok/s total, "
                         f"{row['output_tok_s']:.0f} out, TTFT {row['mean_ttft_ms']:.0f} ms, "
                         f"TPOT {row['mean_tpot_ms']:.2f} ms ({time.monotonic() - t1:.0f} s)")
@@ -415,12 +451,13 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                     info["error"] = "server died"
                     return rows, info
         if args.profile and proc.poll() is None:
-            info["profile"] = profile_point(s, backend, args, work, env)
+            info["profile"] = profile_point(s, backend, args, work, client)
     finally:
         text = pathlib.Path(logf).read_text(errors="replace") if logf.is_file() else ""
         info["resolved"] = resolve_default(s.engine, text) if backend == "default" else backend
         info["fallback"] = "falling back" in text
         stop(proc)
+        client.close()
     return rows, info
 
 
@@ -433,7 +470,7 @@ def profiler_args(s: Setup, args, trace_dir: pathlib.Path) -> list[str]:
     return ["--profiler-config", json.dumps(cfg)]
 
 
-def profile_point(s: Setup, backend: str, args, work: pathlib.Path, env: dict) -> dict:
+def profile_point(s: Setup, backend: str, args, work: pathlib.Path, client: Client) -> dict:
     """The --profile point once more with the client's --profile (start/stop_profile), summarised."""
     from . import trace_summary as prof
 
@@ -443,11 +480,10 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, env: dict) -
     res = work / f"client-{backend}-profile.json"
     cmd = client_command(s, workload, conc, n, str(res), warmups=0) + ["--profile"]
     log(f"profile {backend} {workload} c{conc}: {args.profile_steps} steps after {args.profile_delay}")
-    cp = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    (work / f"client-{backend}-profile.log").write_text(cp.stdout + cp.stderr)
+    rc, _ = client.run(cmd, work / f"client-{backend}-profile.log")
     trace_dir = work / f"trace-{backend}"
     time.sleep(5)  # the worker writes its trace after stop_profile returns
-    out = {"client_rc": cp.returncode}
+    out = {"client_rc": rc}
     texts = []
     for t in prof.find_traces(trace_dir):
         summ = prof.summarize(prof.load_trace(t))
@@ -571,7 +607,9 @@ def plot(meta: dict, rows: list[dict], stem: pathlib.Path) -> list[str]:
             if not pts:
                 continue
             c, tok, ttft = zip(*pts)
-            ax1.plot(c, tok, marker="o", label=backend)
+            resolved = next((r.get("backend_resolved") for r in rows if r["backend"] == backend), None)
+            label = f"{backend} ({resolved})" if resolved and resolved != backend else backend
+            ax1.plot(c, tok, marker="o", label=label)
             ax2.plot(c, ttft, marker="o", label=backend)
         for ax, title in ((ax1, "total throughput (tok/s)"), (ax2, "mean TTFT (ms)")):
             ax.set_xscale("log", base=2)
