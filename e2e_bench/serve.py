@@ -569,6 +569,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             lines.append(f"| {b['backend']} | {b.get('resolved')} | {b.get('startup_s')} | {b.get('fallback')} | "
                          f"{b.get('agree_fraction')} |")
         lines.append("")
+    ratios = against_best(rows)
+    if ratios:
+        lines += ["## flashqla against the best built-in backend", "",
+                  "Throughput over the built-in backend with the highest total throughput (named), output "
+                  "throughput over the highest built-in one, latencies over the lowest built-in ones.", "",
+                  "| workload | conc | best built-in | total tok/s | output tok/s | mean TTFT | mean TPOT |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {a['workload']} | {a['concurrency']} | {a['best']} | {a['total_tok_s']:.3f}x | "
+                  f"{a['output_tok_s']:.3f}x | {a['mean_ttft']:.3f}x | {a['mean_tpot']:.3f}x |" for a in ratios]
+        lines.append("")
     for workload in dict.fromkeys(r["workload"] for r in rows):
         sub = [r for r in rows if r["workload"] == workload]
         lines += [f"## {workload} ({sub[0]['input_len']} in / {sub[0]['output_len']} out)", "",
@@ -586,6 +596,27 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                          f"{fmt(r['p99_tpot_ms'], 2)} | {fmt(r['agree_fraction'], 3)} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def against_best(rows: list[dict], ours: str = "flashqla") -> list[dict]:
+    """Per workload and concurrency: ``ours`` over the best built-in backend (highest total
+    throughput) on throughput, and over the lowest built-in TTFT/TPOT on latency."""
+    out = []
+    ok = [r for r in rows if not r.get("error")]
+    for w, c in dict.fromkeys((r["workload"], r["concurrency"]) for r in ok):
+        pt = [r for r in ok if (r["workload"], r["concurrency"]) == (w, c)]
+        mine = next((r for r in pt if r["backend"] == ours), None)
+        built_in = [r for r in pt if r["backend"] != ours]
+        if mine is None or not built_in:
+            continue
+        best = max(built_in, key=lambda r: r["total_tok_s"])
+        name = lambda r: r.get("backend_resolved") or r["backend"]  # noqa: E731
+        out.append({"workload": w, "concurrency": c, "best": name(best),
+                    "total_tok_s": mine["total_tok_s"] / best["total_tok_s"],
+                    "output_tok_s": mine["output_tok_s"] / max(r["output_tok_s"] for r in built_in),
+                    "mean_ttft": mine["mean_ttft_ms"] / min(r["mean_ttft_ms"] for r in built_in),
+                    "mean_tpot": mine["mean_tpot_ms"] / min(r["mean_tpot_ms"] for r in built_in)})
+    return out
 
 
 def plot(meta: dict, rows: list[dict], stem: pathlib.Path) -> list[str]:

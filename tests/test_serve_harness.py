@@ -140,3 +140,16 @@ def test_profile_summary_splits_gdn_kernels_from_the_rest(tmp_path):
     md = profile.markdown("x", s, steps=2)
     assert "0.50 ms per step over 2 steps" in md and "GDN core share 32.0%" in md
     assert profile.main([str(tmp_path), "--out", str(tmp_path / "p.md")]) == 0
+
+
+def test_flashqla_is_compared_with_the_best_built_in_backend():
+    rows = _rows()[:4]  # triton at 100/3200 tok/s, flashqla at 120/3840
+    rows.append({**rows[0], "backend": "default", "backend_resolved": "flashinfer", "total_tok_s": 150.0,
+                 "output_tok_s": 90.0, "mean_ttft_ms": 8.0, "mean_tpot_ms": 4.0})
+    by = {(a["workload"], a["concurrency"]): a for a in serve.against_best(rows)}
+    a = by[("chat", 1)]
+    assert a["best"] == "flashinfer" and a["total_tok_s"] == pytest.approx(120 / 150)
+    assert a["output_tok_s"] == pytest.approx(120 / 100)  # the highest built-in output throughput is triton's
+    assert a["mean_ttft"] == pytest.approx(10 / 8) and a["mean_tpot"] == pytest.approx(5 / 4)
+    assert by[("chat", 32)]["best"] == "triton" and by[("chat", 32)]["total_tok_s"] == pytest.approx(1.2)
+    assert serve.against_best([r for r in rows if r["backend"] != "flashqla"]) == []
