@@ -107,11 +107,11 @@ def hf_config(spec: dict, num_layers: int, max_len: int) -> dict:
     rope = {"rope_type": "default", "rope_theta": spec["rope_theta"],
             "partial_rotary_factor": spec["partial_rotary_factor"]}
     if spec["model_type"] == "qwen3_next":
-        text.update(model_type="qwen3_next", rope_theta=spec["rope_theta"],
+        text.update(model_type="qwen3_next", rope_theta=spec["rope_theta"], num_nextn_predict_layers=1,
                     partial_rotary_factor=spec["partial_rotary_factor"], rope_parameters=rope,
                     architectures=[spec["architecture"]])
         return text
-    text.update(model_type=f"{spec['model_type']}_text",
+    text.update(model_type=f"{spec['model_type']}_text", mtp_num_hidden_layers=1,
                 rope_parameters={**rope, "mrope_section": [11, 11, 10], "mrope_interleaved": True})
     if spec.get("state_dtype"):
         text["mamba_ssm_dtype"] = spec["state_dtype"]
@@ -387,23 +387,56 @@ COMPILE_PATTERNS = (re.compile(r"qla-serving: compil\w+ (\d+) kernel"),)
 # ----------------------------------------------------------------------------- the run
 
 
+class Server:
+    """One engine server in its own process group, its output in ``log_path``."""
+
+    def __init__(self, cmd: list[str], env: dict, log_path: pathlib.Path, port: int):
+        self.cmd, self.env, self.log_path, self.port = cmd, env, log_path, port
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    def start(self, timeout: float) -> bool:
+        """Start it and wait for ``/health``; False if it exits or does not answer in time."""
+        self.started = time.monotonic()
+        with open(self.log_path, "w") as lf:
+            self.proc = subprocess.Popen(self.cmd, stdout=lf, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        return wait_healthy(self.port, self.proc, timeout)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+def backend_env(backend: str) -> dict:
+    env = dict(os.environ)
+    if backend == "flashqla":
+        env["QLA_STRICT"] = "1"  # a fallback is an error: the row is ours or absent
+    return env
+
+
 def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[list[int]],
-                extra_env: dict, budget_end: float) -> tuple[list[dict], dict]:
+                budget_end: float) -> tuple[list[dict], dict]:
     """Start one server, measure every point, stop it. Returns (rows, info)."""
     logf = work / f"server-{backend}.log"
     cmd = server_command(s, backend, args.server_arg + profiler_args(s, args, work / f"trace-{backend}"))
-    env = {**os.environ, **extra_env}
-    if backend == "flashqla":
-        env["QLA_STRICT"] = "1"  # a fallback is an error: the row is ours or absent
+    env = backend_env(backend)
     log(f"start {s.engine} {backend} tp{s.tp}: {shlex.join(cmd)}")
-    t0 = time.monotonic()
-    with open(logf, "w") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = Server(cmd, env, logf, s.port)
+    proc = None
     info: dict = {"backend": backend, "command": shlex.join(cmd)}
     rows: list[dict] = []
     client = Client(s.engine, env)
     try:
-        if not wait_healthy(s.port, proc, min(args.start_timeout, max(0, budget_end - time.monotonic()))):
+        healthy = server.start(min(args.start_timeout, max(0, budget_end - time.monotonic())))
+        proc, t0 = server.proc, server.started
+        if not healthy:
             info["error"] = "server did not become healthy"
             log(f"FAILED start {backend} after {time.monotonic() - t0:.0f} s; log tail:\n{tail(logf)}")
             return rows, info
@@ -453,10 +486,10 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
         if args.profile and proc.poll() is None:
             info["profile"] = profile_point(s, backend, args, work, client)
     finally:
-        text = pathlib.Path(logf).read_text(errors="replace") if logf.is_file() else ""
+        text = server.log_text()
         info["resolved"] = resolve_default(s.engine, text) if backend == "default" else backend
         info["fallback"] = "falling back" in text
-        stop(proc)
+        server.stop()
         client.close()
     return rows, info
 
@@ -768,7 +801,7 @@ def main(argv=None) -> int:
             log(f"budget spent: {backend} not started")
             save_backend(work, key, [], {"backend": backend, "error": "left out (budget)", "call": command})
             continue
-        r, info = run_backend(s, backend, args, work, prompts, {}, budget_end)
+        r, info = run_backend(s, backend, args, work, prompts, budget_end)
         info["call"] = command
         save_backend(work, key, r, info)
     # every backend measured into this work directory for the same setup, this call's and earlier

@@ -152,3 +152,20 @@ def test_benchmark_load_format_redraws_the_gates(registered):
     assert bool(((a >= GATE_A_RANGE[0]) & (a <= GATE_A_RANGE[1])).all())
     assert not torch.equal(model[0].A_log, model[1].A_log)  # seeded by the module name
     assert model[0].proj.weight.abs().max() <= 1e-3 + 1e-9  # the rest stays vLLM's dummy weights
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_stress_speculative_server_builds_vllms_config(registered, tmp_path, k):
+    """The stress harness's MTP servers: vLLM parses the command and builds its speculative config."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from e2e_bench import stress
+
+    spec = serve.model_spec("qwen3-next-80b-a3b")
+    s = serve.Setup("vllm", serve.write_model(spec, 4, 4096, tmp_path / "m"), 1, 4096)
+    cmd = serve.server_command(s, "flashqla", stress.spec_args("vllm", spec["model_type"], k))
+    args = _serve_parser().parse_args(cmd[len(serve.VLLM_CLI) + 1:])
+    args.model = args.model_tag
+    cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    assert cfg.speculative_config.num_speculative_tokens == k
+    assert cfg.speculative_config.method in ("qwen3_next_mtp", "mtp")
