@@ -113,8 +113,23 @@ def write_model(directory: str | os.PathLike, **shape) -> str:
 # ----------------------------------------------------------------------------- GDN gates
 
 # The gate re-draw lives in the package so vLLM's workers can apply it at load time too
-# (the serving benchmark's load format ``qla_dummy``).
-from qla_serving.bench.gates import GATE_A_RANGE, GATE_DT_RANGE, gdn_gate_values, init_gdn_gates  # noqa: E402,F401
+# (the serving benchmark's load format ``qla_dummy``). Imported on first use: the package pulls
+# in torch, and this script's processes must start fast (run_waves times their start-up).
+_GATE_NAMES = ("GATE_A_RANGE", "GATE_DT_RANGE", "gdn_gate_values", "init_gdn_gates")
+
+
+def __getattr__(name):
+    if name in _GATE_NAMES:
+        from qla_serving.bench import gates
+
+        return getattr(gates, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _gates():
+    from qla_serving.bench import gates
+
+    return gates
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -461,7 +476,7 @@ def worker(spec: dict) -> int:
         llm = LLM(**spec["llm_kwargs"])
         result["init_s"] = time.perf_counter() - t0
         if spec.get("init_gates", True):
-            result["gdn_layers_gated"] = sum(llm.apply_model(init_gdn_gates))
+            result["gdn_layers_gated"] = sum(llm.apply_model(_gates().init_gdn_gates))
             if result["gdn_layers_gated"] <= 0:
                 raise RuntimeError("no GDN layer (A_log, dt_bias) found to re-draw the gates of")
         if is_qla:
@@ -734,7 +749,7 @@ def _meta(args, argv, gpu: str | None) -> dict:
                      "throughput": [args.tp_prompts, args.tp_len], "throughput_pc": args.throughput_pc,
                      "max_model_len": _max_model_len(args), "parallel": args.parallel, **_memory_settings(args),
                      "gdn_gates": ("vLLM dummy (decay ~0.5 per token)" if args.dummy_gates else
-                                   f"re-drawn: A ~ U{GATE_A_RANGE}, softplus(dt_bias) ~ log-U{GATE_DT_RANGE}")},
+                                   f"re-drawn: A ~ U{_gates().GATE_A_RANGE}, softplus(dt_bias) ~ log-U{_gates().GATE_DT_RANGE}")},
     }
     if gpu:
         try:
