@@ -280,6 +280,12 @@ def spec_args(engine: str, model_type: str, k: int) -> list[str]:
             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
 
 
+def plan_key(plan: dict) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Path, model_type: str) -> list[dict]:
     env = serve.backend_env(backend)
     rows = []
@@ -290,16 +296,27 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         serve.log(f"start {backend} {tag}: {shlex.join(cmd)}")
         return serve.Server(cmd, env, work / f"server-{backend}-{tag}.log", s.port)
 
-    # the oracle: each request alone on a fresh server
-    srv = server("oracle", [])
-    try:
-        if not srv.start(args.start_timeout):
-            serve.log(f"FAILED oracle start {backend}:\n{serve.tail(srv.log_path)}")
-            return [{"backend": backend, "scenario": "oracle", "error": "server did not start"}]
-        oracle = asyncio.run(run_requests(s.engine, s.port, everything, concurrent=False))
-        serve.log(f"oracle {backend}: {sum(v['status'] == 200 for v in oracle.values())} of {len(everything)}")
-    finally:
-        srv.stop()
+    # the oracle: each request alone on a fresh server (kept in the work directory, so a run can be
+    # split into an oracle call and a stress call)
+    oracle_file = work / f"oracle-{backend}.json"
+    key = plan_key(plan)
+    saved = json.loads(oracle_file.read_text()) if oracle_file.is_file() else {}
+    if saved.get("key") == key:
+        oracle = saved["results"]
+        serve.log(f"oracle {backend}: reusing {oracle_file}")
+    else:
+        srv = server("oracle", [])
+        try:
+            if not srv.start(args.start_timeout):
+                serve.log(f"FAILED oracle start {backend}:\n{serve.tail(srv.log_path)}")
+                return [{"backend": backend, "scenario": "oracle", "error": "server did not start"}]
+            oracle = asyncio.run(run_requests(s.engine, s.port, everything, concurrent=False))
+            oracle_file.write_text(json.dumps({"key": key, "results": oracle}))
+            serve.log(f"oracle {backend}: {sum(v['status'] == 200 for v in oracle.values())} of {len(everything)}")
+        finally:
+            srv.stop()
+    if args.phase == "oracle":
+        return []
 
     srv = server("stress", [])
     try:
@@ -409,6 +426,8 @@ def parse_args(argv):
     p.add_argument("--server-arg", action="append", default=[])
     p.add_argument("--out-dir", default=str(serve.RESULTS_DIR))
     p.add_argument("--work-dir", default="")
+    p.add_argument("--phase", choices=("all", "oracle"), default="all",
+                   help="oracle: run only the oracle servers (their tokens stay in the work dir for the next call)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     for name in ("requests", "aborts", "suffixes", "max_prompt", "max_tokens"):
@@ -445,6 +464,8 @@ def main(argv=None) -> int:
     rows = []
     for backend in args.backends:
         rows += run_backend(s, backend, args, plan, work, spec["model_type"])
+    if args.phase == "oracle":
+        return 0
     gpu = serve.gpu_name()
     meta = {"gpu": gpu, "engine": args.engine, "tp": args.tp, "versions": serve.versions(args.engine),
             "model": f"{spec['name']}, {args.layers} layers, dummy weights, GDN gates re-drawn",

@@ -12,6 +12,8 @@
 # $OUT/profile-prefill.tar.xz; the .ncu-rep files stay in /tmp, they are large).
 # serve (the serving benchmark, e2e_bench/serve.py, arguments in QLA_SERVE_ARGS; the servers' and
 # clients' logs of every run in /tmp go back as $OUT/serve-logs.tar.xz).
+# stress (the reliability harness, e2e_bench/stress.py, arguments in QLA_STRESS_ARGS; logs back as
+# $OUT/stress-logs.tar.xz).
 # Extra pytest arguments: QLA_PYTEST_ARGS="-k decode".
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -53,6 +55,11 @@ for step in "$@"; do
         tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
+    stress)
+      ( rc=0
+        python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --out-dir "$OUT" || rc=$?
+        tar -C /tmp --exclude='*/model' -cJf "$OUT/stress-logs.tar.xz" $(cd /tmp && ls -d qla-stress-* 2>/dev/null)
+        exit $rc ) 2>&1 | tee "$OUT/stress.log" | tail -60 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
   rc=${PIPESTATUS[0]}
