@@ -272,6 +272,14 @@ def summarize(engine: str, plan: dict, oracle: dict, got: dict, scenario: str) -
 # ----------------------------------------------------------------------------- the run
 
 
+def cache_args(engine: str) -> list[str]:
+    """The stress server's prefix cache: vLLM 0.26 leaves it off for hybrid GDN models (its "align"
+    mode must be asked for); SGLang's radix cache is on, with the mamba strategy the issue names."""
+    if engine == "vllm":
+        return ["--enable-prefix-caching"]
+    return ["--mamba-scheduler-strategy", "extra_buffer"]
+
+
 def spec_args(engine: str, model_type: str, k: int) -> list[str]:
     if engine == "vllm":
         method = "qwen3_next_mtp" if model_type == "qwen3_next" else "mtp"
@@ -318,7 +326,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     if args.phase == "oracle":
         return []
 
-    srv = server("stress", [])
+    srv = server("stress", cache_args(s.engine) if "prefix" in args.scenarios else [])
     try:
         if not srv.start(args.start_timeout):
             return [{"backend": backend, "scenario": "stress", "error": "server did not start"}]

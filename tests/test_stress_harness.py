@@ -146,3 +146,8 @@ def test_spec_server_arguments():
     assert stress.spec_args("sglang", "qwen3_next", 3)[:2] == ["--speculative-algorithm", "NEXTN"]
     with pytest.raises(SystemExit):
         stress.parse_args(["--engine", "vllm", "--spec-tokens", "9"])
+
+
+def test_stress_server_asks_for_the_prefix_cache():
+    assert stress.cache_args("vllm") == ["--enable-prefix-caching"]
+    assert stress.cache_args("sglang") == ["--mamba-scheduler-strategy", "extra_buffer"]

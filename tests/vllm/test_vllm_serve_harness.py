@@ -169,3 +169,15 @@ def test_stress_speculative_server_builds_vllms_config(registered, tmp_path, k):
     cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     assert cfg.speculative_config.num_speculative_tokens == k
     assert cfg.speculative_config.method in ("qwen3_next_mtp", "mtp")
+
+
+def test_stress_server_turns_vllms_prefix_cache_on(registered, setup):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from e2e_bench import stress
+
+    _, s = setup
+    args = _serve_parser().parse_args(serve.server_command(s, "flashqla", stress.cache_args("vllm"))[len(serve.VLLM_CLI) + 1:])
+    args.model = args.model_tag
+    cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    assert cfg.cache_config.enable_prefix_caching
