@@ -1,4 +1,4 @@
-"""``qla-serving``: check the ops on this machine, show what runs where, run the benchmarks.
+"""qla-serving: check the ops on this machine, show what runs where, run the benchmarks.
 
     qla-serving check          # ops vs the float64 oracle on a Qwen3.5-27B-shaped batch
     qla-serving info           # versions, device, and which path each op takes
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import backend
-from .bench.common import parse_heads
+from .bench.common import parse_heads, rel_err
 from .ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
 from .ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_decode_ref, recurrent_gated_delta_rule_ref
 from .plan import plan_prefill
@@ -43,11 +43,6 @@ class CheckRow:
         return self.rel_err == self.rel_err and self.rel_err <= self.tol  # NaN fails
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double().cpu(), ref.double().cpu()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def _qwen_gates(T: int, HV: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Gates as a Qwen GDN layer makes them: A_log in [-4, 1.5], a and b from activations."""
     A_log = torch.empty(HV, device=device).uniform_(-4, 1.5)
@@ -62,7 +57,11 @@ def _path(op: str, device: torch.device, dtype: torch.dtype) -> str:
     return "reference (PyTorch)" if reason else "TileLang kernels"
 
 
-def _timed(fn):
+def _timed(fn, warm_up=None):
+    """``fn()``'s result and milliseconds; ``warm_up`` runs first, untimed, on scratch copies of
+    the buffers ``fn`` updates in place, so the time excludes the kernels' first compile."""
+    if warm_up is not None:
+        warm_up()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -99,18 +98,20 @@ def run_check(heads=DEFAULT_HEADS, lengths=DEFAULT_LENGTHS, device=None, dtype=N
     plan = plan_prefill(cu, device=device, checkpoint_every=ckpt_every)
     ckpts = torch.empty(plan.num_checkpoints, HV, V, K, device=device)
     pool_before = pool.clone()
-    o, ms = _timed(lambda: chunk_gated_delta_rule_pool(
-        q, k, v, g, beta, pool, slots, has_initial_state=has_init, use_qk_l2norm_in_kernel=True,
-        plan=plan, checkpoints=ckpts))
+    def prefill(pool_, ckpts_):
+        return chunk_gated_delta_rule_pool(q, k, v, g, beta, pool_, slots, has_initial_state=has_init,
+                                           use_qk_l2norm_in_kernel=True, plan=plan, checkpoints=ckpts_)
+
+    o, ms = _timed(lambda: prefill(pool, ckpts), warm_up=lambda: prefill(pool.clone(), ckpts.clone()))
     o_ref, final_ref, ckpt_ref = recurrent_gated_delta_rule_ref(
         q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=init.cpu(), cu_seqlens=cu,
         use_qk_l2norm=True, checkpoint_every=ckpt_every)
     case = f"{H}/{HV} heads, lengths {'+'.join(map(str, lengths))}"
     path = _path("prefill", device, dtype)
-    rows.append(CheckRow("prefill o", case, path, _rel(o, o_ref), tol, ms))
-    rows.append(CheckRow("prefill final state", case, path, _rel(pool[slots.long()], final_ref), tol, 0.0))
+    rows.append(CheckRow("prefill o", case, path, rel_err(o, o_ref), tol, ms))
+    rows.append(CheckRow("prefill final state", case, path, rel_err(pool[slots.long()], final_ref), tol, 0.0))
     rows.append(CheckRow("prefill checkpoints", f"every {ckpt_every} tokens, {plan.num_checkpoints} states",
-                         path, _rel(ckpts, ckpt_ref), tol, 0.0))
+                         path, rel_err(ckpts, ckpt_ref), tol, 0.0))
     others = torch.ones(num_slots, dtype=torch.bool)
     others[slots.long().cpu()] = False
     untouched = bool(torch.equal(pool.cpu()[others], pool_before.cpu()[others]))
@@ -131,20 +132,22 @@ def run_check(heads=DEFAULT_HEADS, lengths=DEFAULT_LENGTHS, device=None, dtype=N
         live = idx >= 0
         init = torch.where(live.view(-1, 1, 1, 1), pool[idx.long().clamp(min=0)], 0.0)
         inter = torch.empty(n, T_dec, HV, V, K, device=device)
-        od, ms = _timed(lambda: gated_delta_rule_decode(qd, kd, vd, a, b, A_log, dt_bias, pool, idx,
-                                                        intermediate_states=inter))
+        def decode(pool_, inter_, qd=qd, kd=kd, vd=vd, a=a, b=b, A_log=A_log, dt_bias=dt_bias, idx=idx):
+            return gated_delta_rule_decode(qd, kd, vd, a, b, A_log, dt_bias, pool_, idx, intermediate_states=inter_)
+
+        od, ms = _timed(lambda: decode(pool, inter), warm_up=lambda: decode(pool.clone(), inter.clone()))
         o_ref, s_ref = recurrent_decode_ref(qd.cpu(), kd.cpu(), vd.cpu(), a.cpu(), b.cpu(), A_log.cpu(),
                                             dt_bias.cpu(), init.cpu())
         lv = live.cpu()
         case = f"{H}/{HV} heads, {n} seqs x {T_dec} token(s), 1 padded"
         path = _path("decode", device, dtype)
-        rows.append(CheckRow("decode o", case, path, _rel(od.cpu()[lv], o_ref[lv]), tol, ms))
-        rows.append(CheckRow("decode states", case, path, _rel(inter.cpu()[lv], s_ref[lv]), tol, 0.0))
+        rows.append(CheckRow("decode o", case, path, rel_err(od.cpu()[lv], o_ref[lv]), tol, ms))
+        rows.append(CheckRow("decode states", case, path, rel_err(inter.cpu()[lv], s_ref[lv]), tol, 0.0))
     return rows
 
 
 def format_table(rows: list[CheckRow]) -> str:
-    head = ("op", "case", "path", "rel err", "tol", "ms", "")
+    head = ("op", "case", "path", "rel err", "tol", "ms (warm)", "")
     body = [(r.op, r.case, r.path, f"{r.rel_err:.2e}", f"{r.tol:.0e}", f"{r.ms:.1f}" if r.ms else "",
              "ok" if r.ok else "FAIL") for r in rows]
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
@@ -152,10 +155,38 @@ def format_table(rows: list[CheckRow]) -> str:
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*b) for b in body)])
 
 
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """``"1,63,64"`` or ``"1+63+64"`` (the form the check's table prints) -> positive lengths."""
+    parts = text.replace("+", ",").split(",")
+    try:
+        lengths = tuple(int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"lengths {text!r}: expected positive integers, e.g. 1,63,64 or 1+63+64") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"lengths {text!r}: every sequence needs at least one token")
+    return lengths
+
+
+def parse_device(text: str) -> torch.device:
+    """``cpu`` or ``cuda[:N]``, refused when this torch cannot reach it."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"device {text!r}: expected cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device {text!r}: expected cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            f"device {text!r}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"device {text!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
+
+
 def _cmd_check(args) -> int:
-    lengths = tuple(int(x) for x in args.lengths.split(","))
+    lengths = args.lengths
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
-    device = torch.device(args.device) if args.device else None
+    device = args.device
     print(f"qla-serving check: torch {torch.__version__}, device {device or ('cuda' if torch.cuda.is_available() else 'cpu')}")
     rows = run_check(args.heads, lengths, device, dtype, args.seed)
     print(format_table(rows))
@@ -187,17 +218,24 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("check", help="run the ops on the best available path and compare with the float64 oracle")
     p.add_argument("--heads", type=parse_heads, default=DEFAULT_HEADS, help="Hqk/Hv (default: Qwen3.5-27B TP1)")
-    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="prefill sequence lengths")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--lengths", type=parse_lengths, default=DEFAULT_LENGTHS,
+                   help="prefill sequence lengths, 1,63,64 or 1+63+64 (default: %(default)s)")
+    p.add_argument("--device", type=parse_device, default=None, help="cpu or cuda[:N] (default: cuda when present)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="activation dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_cmd_check)
     p = sub.add_parser("info", help="versions, device and the path each op takes")
     p.set_defaults(fn=_cmd_info)
-    p = sub.add_parser("bench", help="GPU benchmarks, side by side with FLA and FlashInfer")
-    p.add_argument("op", choices=["prefill", "decode", "summary"])
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see bench OP --help)")
+    p = sub.add_parser(
+        "bench", help="GPU benchmarks, side by side with FLA and FlashInfer",
+        description="Kernel benchmarks (results and a markdown table in e2e_bench/results/). "
+                    "prefill: the chunked prefill grid against FLA, FlashInfer and FlashQLA; "
+                    "decode: the decode step against FLA and FlashInfer; "
+                    "summary: read prefill results back and print the prefill targets. "
+                    "Options follow the benchmark's name: qla-serving bench OP --help.")
+    p.add_argument("op", choices=["prefill", "decode", "summary"], help="which benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the benchmark's own options")
     p.set_defaults(fn=_cmd_bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

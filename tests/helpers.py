@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from qla_serving.bench.common import rel_err as common_rel_err
 from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
 
 GATE_MODES = ("zero", "mild", "qwen", "strong")
@@ -37,5 +38,13 @@ def cu_of(lengths) -> torch.Tensor:
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+    """The package's error metric (:func:`qla_serving.bench.common.rel_err`); a non-finite value in
+    ``x`` fails at once, naming the cause."""
+    assert torch.isfinite(x.cpu()).all(), "non-finite values (an unwritten element or an overflow)"
+    return common_rel_err(x, ref)
+
+
+def max_rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute error over the reference's largest magnitude (elementwise bound)."""
+    ref = ref.double().cpu()
+    return float((x.double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from helpers import cu_of
 
 import qla_serving
-
-from helpers import cu_of
 
 H, HV, K = 2, 4, 16
 
@@ -35,8 +34,13 @@ def decode(**over):
 
 
 def test_valid_calls_pass():
-    prefill()
-    decode()
+    """The arguments every bad case below starts from are valid: the calls return outputs of the
+    documented shapes, with the padded decode row zero."""
+    o = prefill()
+    assert o.shape == (20, HV, K) and torch.isfinite(o).all()
+    od = decode()
+    assert od.shape == (3, 1, HV, K) and torch.isfinite(od).all()
+    assert torch.count_nonzero(od[2]) == 0 and torch.count_nonzero(od[0]) > 0
 
 
 PREFILL_BAD = [

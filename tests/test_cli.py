@@ -30,3 +30,44 @@ def test_heads_argument_names_the_constraint(capsys, heads, message):
     with pytest.raises(SystemExit):
         cli.main(["check", "--heads", heads])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["check", "--heads", "16/0"], "HV must be a positive multiple of H"),
+    (["check", "--lengths", "1,x"], "expected positive integers"),
+    (["check", "--lengths", "1,0,5"], "at least one token"),
+    (["check", "--device", "tpu"], "expected cpu or cuda"),
+])
+def test_bad_check_arguments_end_in_one_line(capsys, argv, message):
+    """A bad argument is a one-line usage error naming the constraint, not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len([ln for ln in err.splitlines() if ln.startswith("qla-serving")]) == 1
+
+
+def test_cuda_device_without_cuda_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--device", "cuda"])
+    assert "sees no CUDA device; use --device cpu" in capsys.readouterr().err
+
+
+def test_lengths_take_the_form_the_table_prints(capsys):
+    assert cli.parse_lengths("1+63+64") == cli.parse_lengths("1,63,64") == (1, 63, 64)
+    rc = cli.main(["check", "--heads", "1/2", "--lengths", "1+63", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "lengths 1+63" in out and "ms (warm)" in out
+
+
+def test_help_names_the_subcommands_plainly(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "qla-serving: check the ops" in out
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "rest" not in out and "decode: the decode step" in out

@@ -18,6 +18,7 @@ import shutil
 
 import pytest
 import torch
+from helpers import rel_err
 
 from qla_serving.ops.gated_delta_rule.naive import recurrent_decode_ref
 
@@ -38,11 +39,6 @@ def _fwd():
 
     return decode
 
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    assert torch.isfinite(x).all(), "non-finite values (an unwritten element or an overflow)"
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def make_inputs(N, T, H, HV, act, gate_dtype=torch.float32, l2=True):

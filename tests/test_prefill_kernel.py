@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from helpers import rel_err
 
 from qla_serving.ops.gated_delta_rule.naive import (
     chunk_gated_delta_rule_ref,
@@ -20,11 +21,6 @@ from qla_serving.plan import plan_prefill
 
 K = V = 128
 TOL = 1e-2  # norm-wise relative error vs the float64 oracle
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _make_case(lens, H, HV, *, dtype=torch.bfloat16, beta_dtype=torch.float32, pool_dtype=torch.float32,
@@ -82,11 +78,11 @@ def _oracle(case, pool_before, checkpoint_every=None, scale=K**-0.5):
 def _check_against_oracle(case, out, pool_before, ckpt=None, checkpoint_every=None):
     o_ref, final_ref, ckpt_ref = _oracle(case, pool_before, checkpoint_every)
     assert torch.isfinite(out).all(), "output has NaN/Inf (poisoned rows not written?)"
-    assert _rel(out, o_ref) < TOL, f"o rel err {_rel(out, o_ref):.3e}"
+    assert rel_err(out, o_ref) < TOL, f"o rel err {rel_err(out, o_ref):.3e}"
     idx = case["state_indices"].long()
     final = case["pool"][idx]
     assert torch.isfinite(final).all()
-    assert _rel(final, final_ref) < TOL, f"final state rel err {_rel(final, final_ref):.3e}"
+    assert rel_err(final, final_ref) < TOL, f"final state rel err {rel_err(final, final_ref):.3e}"
     untouched = torch.ones(case["pool"].shape[0], dtype=torch.bool, device=out.device)
     untouched[idx] = False
     assert torch.equal(case["pool"][untouched], pool_before[untouched]), "a slot not in state_indices changed"
@@ -94,7 +90,7 @@ def _check_against_oracle(case, out, pool_before, ckpt=None, checkpoint_every=No
         assert ckpt.shape == ckpt_ref.shape
         assert torch.isfinite(ckpt).all()
         if ckpt_ref.numel():
-            assert _rel(ckpt, ckpt_ref) < TOL, f"checkpoint rel err {_rel(ckpt, ckpt_ref):.3e}"
+            assert rel_err(ckpt, ckpt_ref) < TOL, f"checkpoint rel err {rel_err(ckpt, ckpt_ref):.3e}"
 
 
 VARLEN_MIXES = [
@@ -168,7 +164,7 @@ def test_checkpoints(pool_dtype):
     _, _, ckpt_chunk = chunk_gated_delta_rule_ref(
         case["q"], case["k"], case["v"], case["g"], case["beta"], initial_state=h0, cu_seqlens=case["cu"],
         use_qk_l2norm=True, checkpoint_every=every)
-    assert _rel(ckpt, ckpt_chunk) < TOL
+    assert rel_err(ckpt, ckpt_chunk) < TOL
 
 
 @pytest.mark.gpu
@@ -211,10 +207,10 @@ def test_stages_match_chunk_reference():
     w = torch.einsum("nihj,njhd->nihd", tb, k_chunks * G.exp()[..., None])
     u = torch.einsum("nihj,njhd->nihd", tb, v_chunks)
     errs = {
-        "g_cum": _rel(G[mask], inter.g_cum[mask]),
-        "w": _rel(w[mask], inter.w[mask]),
-        "u": _rel(u[mask], inter.u[mask]),
-        "qk_rnorm": _rel(ws["qk_rnorm"].permute(0, 3, 1, 2)[mask], rnorm[mask]),
+        "g_cum": rel_err(G[mask], inter.g_cum[mask]),
+        "w": rel_err(w[mask], inter.w[mask]),
+        "u": rel_err(u[mask], inter.u[mask]),
+        "qk_rnorm": rel_err(ws["qk_rnorm"].permute(0, 3, 1, 2)[mask], rnorm[mask]),
     }
     assert all(e < TOL for e in errs.values()), errs
     assert float(tb[~mask].abs().max()) == 0.0, "t_beta rows past a chunk's end must be zero"
@@ -323,7 +319,7 @@ def test_context_parallel_matches_non_cp(lens, kind):
         out = _run(case, checkpoints=ckpt)
         assert torch.isfinite(out).all() and torch.isfinite(ckpt).all()
         final = case["pool"][case["state_indices"].long()]
-        errs[name] = (_rel(out, o_ref), _rel(final, final_ref), _rel(ckpt, ckpt_ref))
+        errs[name] = (rel_err(out, o_ref), rel_err(final, final_ref), rel_err(ckpt, ckpt_ref))
         assert errs[name][0] < TOL and errs[name][1] < TOL and errs[name][2] < TOL, (name, errs[name])
     for i, what in enumerate(("o", "final state", "checkpoints")):
         assert errs["cp"][i] <= 1.1 * errs["nocp"][i] + 1e-6, (what, errs)

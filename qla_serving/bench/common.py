@@ -32,9 +32,18 @@ def parse_heads(text: str) -> tuple[int, int]:
         h, hv = (int(x) for x in text.split("/"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"heads {text!r}: expected Hqk/Hv, e.g. 16/48") from None
-    if h <= 0 or hv % h:
+    if h <= 0 or hv <= 0 or hv % h:
         raise argparse.ArgumentTypeError(f"heads {text}: HV must be a positive multiple of H")
     return h, hv
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Norm of the error over the norm of the reference, in float64 on the CPU; ``inf`` when ``x``
+    holds a non-finite value (an unwritten element or an overflow), so it fails every tolerance."""
+    x, ref = x.double().cpu(), ref.double().cpu()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
 def median_ms(fn: Callable[[], object], *, warmup: int = 10, iters: int = 100, graph: bool = False) -> float:

@@ -294,12 +294,6 @@ def _impl_fns(impls, q, k, v, a, b, A_log, dt_bias, pool, idx_sets, scale, N, en
     return fns
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
-
 
 def _check(fns, pool, idx_sets, N, inputs, scale) -> dict:
     """Every implementation from the same starting states against the float64 oracle:
@@ -318,7 +312,7 @@ def _check(fns, pool, idx_sets, N, inputs, scale) -> dict:
             pool[:N] = saved  # it reads the block; give it the states of the indexed slots
         o, st = fn(0)
         torch.cuda.synchronize()
-        errs[name] = (_rel(o, o_ref), _rel(pool[idx] if st is None else st, st_ref[:, -1]))
+        errs[name] = (common.rel_err(o, o_ref), common.rel_err(pool[idx] if st is None else st, st_ref[:, -1]))
     pool[:N] = saved_block
     pool[idx] = saved
     del o_ref, st_ref

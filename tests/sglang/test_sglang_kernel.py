@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+from helpers import max_rel_err
 
 from qla_serving.ops.gated_delta_rule.naive import (
     gdn_gate_ref,
@@ -17,11 +18,6 @@ H, HV, K, V = 2, 4, 128, 128
 NUM_SLOTS = 9
 OUT_TOL = 2e-2  # bf16 outputs
 STATE_TOL = {torch.float32: 2e-3, torch.bfloat16: 2e-2}
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = expected.double()
-    return float((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
 
 
 def split_qkv(tokens: int, dtype=torch.bfloat16):
@@ -139,9 +135,9 @@ def test_extend_matches_oracle_in_place(pool_dtype):
     n = sum(lens)
     assert o.shape == (1, n + pad, HV, V) and o.dtype == q.dtype
     assert last_state is None and h is None
-    assert rel_err(o[0, :n], ref_o) < OUT_TOL
+    assert max_rel_err(o[0, :n], ref_o) < OUT_TOL
     assert torch.equal(o[0, n:], torch.zeros_like(o[0, n:]))  # padding tokens
-    assert rel_err(pool[slots], ref_final) < STATE_TOL[pool_dtype]
+    assert max_rel_err(pool[slots], ref_final) < STATE_TOL[pool_dtype]
     others = [s for s in range(NUM_SLOTS) if s not in slots]
     assert torch.equal(pool[others], before[others])
 
@@ -234,7 +230,7 @@ def test_extend_fills_sglang_track_snapshot_for_prefix_cache():
     assert h is None
     for row, c in enumerate(chunk_idx.tolist()):
         if c >= 0:
-            assert rel_err(track_state[row], chunk_states[row][c]) < STATE_TOL[torch.float32], row
+            assert max_rel_err(track_state[row], chunk_states[row][c]) < STATE_TOL[torch.float32], row
     # SGLang's consumer copies the tracked rows into their cache slots (1, 2, 4 are free slots).
     if "h_track_buf" not in inspect.signature(backend._track_mamba_state_extend).parameters:
         return  # SGLang < 0.5.22 has no snapshot consumer (and never passes track_state)
@@ -244,7 +240,7 @@ def test_extend_fills_sglang_track_snapshot_for_prefix_cache():
     md.track_ssm_h_dst = torch.tensor([1, 2, 4])
     backend._track_mamba_state_extend(fb, None, pool, md, h_track_buf=track_state)
     for dst, row in zip([1, 2, 4], tracked_rows.tolist()):
-        assert rel_err(pool[dst], chunk_states[row][chunk_idx[row]]) < STATE_TOL[torch.float32]
+        assert max_rel_err(pool[dst], chunk_states[row][chunk_idx[row]]) < STATE_TOL[torch.float32]
 
 
 @pytest.mark.parametrize("cpu_lengths", [True, False])
@@ -264,13 +260,13 @@ def test_extend_returns_chunk_states_h_for_older_sglang(cpu_lengths):
     assert h.shape == (1, sum(chunks), HV, V, K) and h.dtype == pool.dtype
     flat = [s for i, n in enumerate(chunks) for s in chunk_states[i][:n]]
     for c, expected in enumerate(flat):
-        assert rel_err(h[0, c], expected) < STATE_TOL[torch.float32], c
+        assert max_rel_err(h[0, c], expected) < STATE_TOL[torch.float32], c
     # SGLang's consumer: seq 0 tracks its chunk 1 (global 1), seq 2 its chunk 2 (global 2 + 1 + 2).
     md.track_ssm_h_src = torch.tensor([1, 5])
     md.track_ssm_h_dst = torch.tensor([1, 6])
     backend._track_mamba_state_extend(fb, h, pool, md)
-    assert rel_err(pool[1], chunk_states[0][1]) < STATE_TOL[torch.float32]
-    assert rel_err(pool[6], chunk_states[2][2]) < STATE_TOL[torch.float32]
+    assert max_rel_err(pool[1], chunk_states[0][1]) < STATE_TOL[torch.float32]
+    assert max_rel_err(pool[6], chunk_states[2][2]) < STATE_TOL[torch.float32]
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
@@ -308,10 +304,10 @@ def test_decode_matches_oracle(pool_dtype):
         scale=K**-0.5,
     )
     assert o.shape == (1, B, HV, V) and o.dtype == q.dtype
-    assert rel_err(o[0, live], ref_o[live, 0]) < OUT_TOL
+    assert max_rel_err(o[0, live], ref_o[live, 0]) < OUT_TOL
     assert torch.equal(o[0, ~live], torch.zeros_like(o[0, ~live]))
     live_slots = slots[live].long()
-    assert rel_err(pool[live_slots], ref_states[live, 0]) < STATE_TOL[pool_dtype]
+    assert max_rel_err(pool[live_slots], ref_states[live, 0]) < STATE_TOL[pool_dtype]
     others = [s for s in range(NUM_SLOTS) if s not in live_slots.tolist()]
     assert torch.equal(pool[others], before[others])
 
@@ -361,8 +357,8 @@ def test_target_verify_matches_oracle_and_keeps_pool(stable_rows):
         scale=K**-0.5,
     )
     assert o.shape == v.shape and o.dtype == q.dtype
-    assert rel_err(o.view(N, T, HV, V), ref_o) < OUT_TOL
-    assert rel_err(buffer[rows.long()], ref_states) < STATE_TOL[torch.float32]
+    assert max_rel_err(o.view(N, T, HV, V), ref_o) < OUT_TOL
+    assert max_rel_err(buffer[rows.long()], ref_states) < STATE_TOL[torch.float32]
     assert torch.equal(pool, before)  # verify never writes the pool; SGLang commits the accepted prefix
     untouched = [r for r in range(NUM_SLOTS + 1) if r not in rows.tolist()]
     assert torch.equal(buffer[untouched], torch.zeros_like(buffer[untouched]))
@@ -456,6 +452,7 @@ def test_sglang_dispatcher_routes_calls_to_our_kernel(publish_args, build_dispat
 def test_chunk_start_rows_point_at_each_chunks_entering_state():
     """Row i: sequence i's initial state; then its checkpoints after every 64 tokens, in order."""
     from qla_serving.integrations.sglang.kernel import FlashQLAGDNKernel
+
     from qla_serving.plan import plan_prefill
 
     lengths = [130, 64, 1, 200]
