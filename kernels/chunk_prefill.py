@@ -35,7 +35,7 @@ batch composition compiles nothing and syncs nothing.
 
 Work items and AutoCP: ``chunk_fwd`` runs one item per block column, ``(sequence, first
 chunk, first output chunk, end chunk)`` from the plan. Without context parallelism an item
-is a whole sequence. With it (``qla_serving.ops.gated_delta_rule.context_parallel``), a
+is a whole sequence. With it (``qla_serving.plan.plan_context_parallel``), a
 long sequence is several items that run side by side; an item starting inside the sequence
 begins from a zero state a few warm-up chunks before its first output chunk (those chunks run
 only the state's chain: no P, no output). Whether that warm-up is exact enough is decided in
@@ -54,12 +54,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.gated_delta_rule.context_parallel import LOG_DECAY_THRESHOLD
+from ..constants import CHUNK_SIZE as CHUNK
+from ..constants import HEAD_DIM, L2NORM_EPS, LOG_DECAY_THRESHOLD
 from .configs import PREFILL_CONFIGS
 
-CHUNK = 64
-HEAD_DIM = 128
-L2NORM_EPS = 1e-6
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): one MUFU instruction
 MERGE_DTYPE = "float16"  # prep's triangular-inverse merge operands (see _build_prep)
 

@@ -48,14 +48,12 @@ from typing import NamedTuple
 
 import torch
 
+from ..constants import HEAD_DIM, L2NORM_EPS, SOFTPLUS_THRESHOLD
+from ..constants import MAX_DECODE_TOKENS as MAX_TOKENS
 from .configs import DECODE_CONFIGS
 
-K_DIM = 128
-V_DIM = 128
-MAX_TOKENS = 8
+K_DIM = V_DIM = HEAD_DIM
 LANES_PER_ROW = 8  # default lanes sharing one state row (3-step butterfly reductions)
-SOFTPLUS_THRESHOLD = 20.0
-L2NORM_EPS = 1e-6
 
 _TL_DTYPES = {
     torch.float32: "float32",

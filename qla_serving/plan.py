@@ -3,6 +3,13 @@
 Like vLLM's attention metadata, a :class:`PrefillPlan` holds every decision and index table
 that depends only on the batch composition (sequence lengths, chunk layout, checkpoint
 slots), so a kernel call neither syncs with the host nor decides anything itself.
+
+AutoCP (context parallelism inside one GPU, ``docs/autocp.md``) is planned here too.
+Planning (host, once per batch, shared by every layer): CP only pays when the serial pass
+is bounded by its longest chain rather than by its total work; :func:`plan_context_parallel`
+estimates both with and without segments (a cost model in chunk steps, one block per SM)
+and splits only where that wins by a margin. Segments never drop below
+``min_segment_tokens`` (so the warm-up costs at most ``W / min_segment`` extra work).
 """
 
 from __future__ import annotations
@@ -13,8 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ops.gated_delta_rule.context_parallel import ContextParallelPlan, plan_context_parallel
-from .ops.gated_delta_rule.naive import CHUNK_SIZE
+from .constants import CHUNK_SIZE
 
 
 @dataclass
@@ -202,3 +208,154 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda" or not torch.cuda.is_available():
         return 0
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ----------------------------------------------------------------------------- AutoCP
+
+
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """How the planner cuts the batch.
+
+    Attributes:
+        segment_tokens: tokens per segment (a multiple of 64); a sequence's last segment
+            may be shorter.
+        warmup_tokens: tokens of warm-up before each segment after the first (multiple of 64).
+        segments: per sequence, the segment start offsets within the sequence (first is 0).
+    """
+
+    segment_tokens: int
+    warmup_tokens: int
+    segments: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_segments(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+
+def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int | None, warm: int,
+              min_cp_chunks: int, unsplit: tuple[int, int, int] = (0, 0, 0)) -> float:
+    """Estimated time of the serial pass, in chunk steps.
+
+    One block per (work item, value head) and one block per SM (the fused kernel's shared
+    memory), every chunk step about the same time (measured on H100: ~8.3 us per chunk and
+    block), warm-up steps counted like the others. All blocks in one wave: the longest item.
+    More blocks than SMs: the smaller of two estimates. Blocks of nearly equal length run in
+    waves of one block per SM, ``ceil(blocks / SMs)`` times the longest item (a last wave of a
+    few blocks costs a whole item); blocks of very different lengths (a long split sequence
+    among short ones) are list-scheduled, the total work over the SMs plus half an item for
+    the last wave's raggedness. The wave term was added after forced segment lengths on an
+    H200 (docs/autocp.md): the older estimate alone picked 2752 tokens at 16/64 heads
+    24576+8192, 1.037x slower than the 8192 that waves pick; every grid cell whose decision
+    the wave term changed measured 1.01-1.09x faster with it.
+
+    ``unsplit`` is ``(longest, total, count)`` of sequences never split (shorter than
+    ``min_cp_chunks``), summarised once by the caller instead of walked per candidate.
+    """
+    longest, total, blocks = unsplit[0], unsplit[1], unsplit[2] * num_v_heads
+    for n in chunk_counts:
+        if seg is None or n <= seg or n < min_cp_chunks:
+            items = [n]
+        else:
+            pieces = -(-n // seg)
+            items = [seg] + [seg + warm] * (pieces - 2) + [n - seg * (pieces - 1) + warm]
+        longest = max(longest, *items)
+        total += sum(items)
+        blocks += len(items) * num_v_heads
+    if blocks <= sm_count:
+        return float(longest)
+    waves = -(-blocks // sm_count)
+    return min(float(waves * longest), max(longest, total * num_v_heads / sm_count) + longest / 2)
+
+
+# Blocks per (work item, value head) of chunk_fwd: one, the whole V = 128 in one block
+# (kernels/chunk_prefill.py).
+KERNEL_V_BLOCKS = 1
+
+
+def plan_context_parallel(
+    seq_lens: list[int],
+    num_v_heads: int,
+    sm_count: int,
+    *,
+    v_blocks_per_head: int | None = None,
+    min_cp_tokens: int = 2048,
+    min_segment_tokens: int = 512,
+    warmup_tokens: int = 256,
+    min_gain: float = 1.1,
+    segment_tokens: int | None = None,
+) -> ContextParallelPlan | None:
+    """Decide whether and how to split long sequences; None means no CP.
+
+    The serial pass runs one block per (work item, value head, V block); without CP a work
+    item is a sequence. Its time is bounded below by the longest item and by the total work
+    over the SMs (:func:`_makespan`). Splitting sequences of at least ``min_cp_tokens`` into
+    equal segments (multiples of 64 tokens, at least ``min_segment_tokens``) shortens the
+    longest item at the price of ``warmup_tokens`` extra per segment; the planner tries every
+    segment length from the longest sequence's halves down to the minimum and keeps the
+    fastest estimate, but only if it beats no CP by ``min_gain`` (so CP is never chosen where
+    the total work, not the chain length, bounds the time).
+
+    Args:
+        seq_lens: token count of each sequence.
+        num_v_heads: value heads on this GPU (after TP sharding).
+        sm_count: multiprocessors of the GPU.
+        v_blocks_per_head: blocks per (item, head); default: the kernel's (``KERNEL_V_BLOCKS``).
+        min_cp_tokens: only sequences at least this long are split.
+        min_segment_tokens: shortest segment (bounds the warm-up overhead to W / segment).
+        warmup_tokens: warm-up window ``W``.
+        min_gain: plan CP only when its estimate is this much faster than without.
+        segment_tokens: an override for experiments (uniform segments of this length).
+    """
+    if warmup_tokens % CHUNK_SIZE or (segment_tokens is not None and segment_tokens % CHUNK_SIZE):
+        raise ValueError(f"segment_tokens={segment_tokens} and warmup_tokens={warmup_tokens} must be multiples "
+                         f"of {CHUNK_SIZE}")
+    if segment_tokens is not None:
+        segs = tuple(tuple(range(0, L, segment_tokens)) if L > segment_tokens else (0,) for L in seq_lens)
+    else:
+        chunks = [-(-L // CHUNK_SIZE) for L in seq_lens]
+        if not chunks or max(chunks) * CHUNK_SIZE < min_cp_tokens:
+            return None
+        blocks = num_v_heads * (KERNEL_V_BLOCKS if v_blocks_per_head is None else v_blocks_per_head)
+        warm, min_cp, min_seg = warmup_tokens // CHUNK_SIZE, min_cp_tokens // CHUNK_SIZE, min_segment_tokens // CHUNK_SIZE
+        # Only sequences of at least min_cp chunks can be split; the rest weigh the same in
+        # every candidate (a batch may hold hundreds of them: summarised once, not per candidate).
+        short = [n for n in chunks if n < min_cp]
+        unsplit = (max(short, default=0), sum(short), len(short))
+        splittable = [n for n in chunks if n >= min_cp]
+        best_seg, best = None, _makespan(splittable, blocks, sm_count, None, warm, min_cp, unsplit)
+        no_cp = best
+        for parts in range(2, max(chunks) // min_seg + 1):
+            seg = -(-max(chunks) // parts)
+            t = _makespan(splittable, blocks, sm_count, seg, warm, min_cp, unsplit)
+            if t < best:
+                best_seg, best = seg, t
+        if best_seg is None or best * min_gain > no_cp:
+            return None
+        seg_tokens = best_seg * CHUNK_SIZE
+        segs = tuple(tuple(range(0, L, seg_tokens)) if L >= min_cp_tokens and L > seg_tokens else (0,)
+                     for L in seq_lens)
+    if all(len(s) == 1 for s in segs):
+        return None
+    longest = max((b - a) for s, L in zip(segs, seq_lens) for a, b in zip(s, s[1:] + (L,)))
+    return ContextParallelPlan(segment_tokens or longest, warmup_tokens, segs)
+
+
+GRID_HEADS = (8, 16, 24, 32, 48, 64)
+GRID_BATCHES = {
+    "1x32768": [32768], "1x8192": [8192], "1x2048": [2048],
+    "24576+8192": [24576, 8192], "8x4096": [4096] * 8, "8x1024": [1024] * 8,
+}
+
+
+def decision_table(sm_count: int = 132, v_blocks_per_head: int | None = None) -> str:
+    """The planner's decisions over the benchmark grid as a markdown table (docs/autocp.md)."""
+    lines = ["| value heads | " + " | ".join(GRID_BATCHES) + " |", "|---|" + "---|" * len(GRID_BATCHES)]
+    for hv in GRID_HEADS:
+        cells = []
+        for lens in GRID_BATCHES.values():
+            cp = plan_context_parallel(lens, hv, sm_count, v_blocks_per_head=v_blocks_per_head)
+            cells.append("–" if cp is None else
+                         f"{cp.segment_tokens} x {max(len(s) for s in cp.segments)}, warm-up {cp.warmup_tokens}")
+        lines.append(f"| {hv} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

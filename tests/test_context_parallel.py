@@ -4,16 +4,14 @@ import math
 
 import pytest
 import torch
-
-from qla_serving.ops.gated_delta_rule.context_parallel import (
-    LOG_DECAY_THRESHOLD,
-    ContextParallelPlan,
-    chunk_gated_delta_rule_cp_ref,
-    plan_context_parallel,
-)
-from qla_serving.ops.gated_delta_rule.naive import recurrent_gated_delta_rule_ref
-
 from helpers import cu_of, make_gates, make_qkv, rel_err
+
+from qla_serving.constants import LOG_DECAY_THRESHOLD
+from qla_serving.ops.gated_delta_rule.naive import (
+    chunk_gated_delta_rule_cp_ref,
+    recurrent_gated_delta_rule_ref,
+)
+from qla_serving.plan import ContextParallelPlan, plan_context_parallel
 
 
 def _inputs(lengths, HV=4, K=16, gates="qwen"):
@@ -91,7 +89,7 @@ def test_planner_cost_model_prefers_one_wave():
     segments would need two waves and lose."""
     cp = plan_context_parallel([32768], 64, 132)
     assert cp is not None and len(cp.segments[0]) == 2
-    from qla_serving.ops.gated_delta_rule.context_parallel import _makespan
+    from qla_serving.plan import _makespan
 
     assert _makespan([512], 64, 132, 256, 4, 64) < _makespan([512], 64, 132, 171, 4, 64)
     assert _makespan([512], 64, 132, None, 4, 64) == 512
@@ -101,7 +99,7 @@ def test_planner_counts_whole_waves_of_equal_items():
     """Blocks of equal length run in whole waves: 64 heads x (3 + 1) items of ~128 chunks are two
     waves (264 chunk steps), x (9 + 3) items of ~43 are six (282); measured on an H200 the first
     is the faster (docs/autocp.md), and the planner picks it."""
-    from qla_serving.ops.gated_delta_rule.context_parallel import _makespan
+    from qla_serving.plan import _makespan
 
     assert _makespan([384, 128], 64, 132, 128, 4, 32) == 2 * 132
     assert _makespan([384, 128], 64, 132, 43, 4, 32) == 6 * 47
@@ -123,7 +121,7 @@ def test_planner_is_deterministic_and_validates_overrides():
 def test_documented_decision_table_is_the_planners():
     import pathlib
 
-    from qla_serving.ops.gated_delta_rule.context_parallel import decision_table
+    from qla_serving.plan import decision_table
 
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "autocp.md").read_text()
     assert decision_table() in doc

@@ -67,7 +67,7 @@ def test_the_baseline_is_the_revision_s_source_with_absolute_imports(tmp_path):
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, check=False).returncode:
         pytest.skip("not a git checkout")
     src = variants.baseline_source("HEAD", "248,112,128,24")
-    assert "from ..ops" not in src and "from .configs" not in src
+    assert "from .." not in src and "from .configs" not in src
     assert "fwd_role_nregs=(248,112,128,24)" in src
     ast.parse(src)
     saved = tmp_path / "base.py"

@@ -20,7 +20,7 @@ Seams used (present from SGLang 0.5.17 to 0.5.23, see ``docs/sglang.md``):
 
 from __future__ import annotations
 
-BACKEND_NAME = "flashqla"
+from ...constants import BACKEND_NAME
 
 __all__ = ["BACKEND_NAME", "register"]
 

@@ -540,6 +540,15 @@ def kernel_device(model_runner) -> torch.device:
     return device
 
 
+def restore_triton(dispatcher, reason: str) -> None:
+    """Put SGLang's triton kernel back in every phase that held ours (the fallback)."""
+    triton = dispatcher.tree_verify_kernel
+    for name in ("extend_kernel", "decode_kernel", "verify_kernel"):
+        if isinstance(getattr(dispatcher, name, None), FlashQLAGDNKernel):
+            setattr(dispatcher, name, triton)
+    dispatcher.supports_packed_decode = getattr(dispatcher.decode_kernel, "supports_packed_decode", False)
+
+
 def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_runner) -> str | None:
     """Decide, once per model runner, whether our kernels run; compile them if they do.
 
@@ -566,8 +575,6 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
         )
         qla_backend.fall_back_once(message, _fallback_warned, reason, log=logger,
                                    strict_message=f"{message}. QLA_STRICT=1 forbids the fallback")
-        from .patch import restore_triton
-
         restore_triton(dispatcher, reason)
         return reason
     layer = _find_linear_layer(getattr(model_runner, "model", None))

@@ -30,7 +30,7 @@ import logging
 import os
 import re
 
-from . import BACKEND_NAME
+from ...constants import BACKEND_NAME
 
 logger = logging.getLogger("qla_serving")
 
@@ -196,17 +196,6 @@ def our_kernel(dispatcher):
     return None
 
 
-def restore_triton(dispatcher, reason: str) -> None:
-    """Put SGLang's triton kernel back in every phase that held ours (the fallback)."""
-    from .kernel import FlashQLAGDNKernel
-
-    triton = dispatcher.tree_verify_kernel
-    for name in ("extend_kernel", "decode_kernel", "verify_kernel"):
-        if isinstance(getattr(dispatcher, name, None), FlashQLAGDNKernel):
-            setattr(dispatcher, name, triton)
-    dispatcher.supports_packed_decode = getattr(dispatcher.decode_kernel, "supports_packed_decode", False)
-
-
 def _backend_init_after(result, self, model_runner, *args, **kwargs):
     """Bind our kernel to the model; fall back to triton (or raise) where it cannot run."""
     dispatcher = getattr(self, "kernel_dispatcher", None)
@@ -215,7 +204,7 @@ def _backend_init_after(result, self, model_runner, *args, **kwargs):
         return
     from qla_serving import backend as qla_backend
 
-    from .kernel import bind_to_runner
+    from .kernel import bind_to_runner, restore_triton
 
     try:
         bind_to_runner(kernel, dispatcher, self, model_runner)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import functools
 
-BACKEND_NAME = "flashqla"
+from ...constants import BACKEND_NAME
+
 # The values --linear-attn-backend accepts besides ours: vLLM's own GDN prefill backends are
 # read from the parser at wrap time, so the alias always offers what vLLM offers.
 CONFIG_KEY = "gdn_prefill_backend"

@@ -75,8 +75,10 @@ class AnchorError(LookupError):
 
 
 def _absolute_imports(src: str) -> str:
-    return (src.replace("from ..ops.gated_delta_rule.context_parallel import",
-                        "from qla_serving.ops.gated_delta_rule.context_parallel import")
+    return (src.replace("from ..constants import", "from qla_serving.constants import")
+            # revisions before qla_serving.constants
+            .replace("from ..ops.gated_delta_rule.context_parallel import",
+                     "from qla_serving.ops.gated_delta_rule.context_parallel import")
             .replace("from .configs import PREFILL_CONFIGS", "from qla_serving.kernels.configs import PREFILL_CONFIGS"))
 
 

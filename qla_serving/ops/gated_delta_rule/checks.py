@@ -12,10 +12,11 @@ from typing import Iterable
 
 import torch
 
+from ...constants import MAX_DECODE_TOKENS  # noqa: F401 - checks.MAX_DECODE_TOKENS is the ops' bound
+
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-MAX_DECODE_TOKENS = 8
 
 
 def expect_rank(name: str, x: torch.Tensor, ranks: Iterable[int], layout: str) -> None:

@@ -14,12 +14,15 @@ engines' layout ``[N, HV, V, K]``; the op layer converts shapes and layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-CHUNK_SIZE = 64
-L2NORM_EPS = 1e-6
+from ...constants import CHUNK_SIZE, L2NORM_EPS, LOG_DECAY_THRESHOLD
+
+if TYPE_CHECKING:  # the plan's type only: the planner is the layer above the references
+    from ...plan import ContextParallelPlan
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -306,3 +309,108 @@ def recurrent_decode_ref(
         checkpoint_every=1, dtype=dtype,
     )
     return o.view(N, T, *o.shape[1:]), states.view(N, T, *states.shape[1:])
+
+
+# ----------------------------------------------------------------------------- AutoCP
+# AutoCP reference. AutoCP: gate-driven intra-card context parallelism for chunked prefill — planner and reference.
+#
+# Why: the chunk-to-chunk state pass is serial along a sequence. With TP-sharded heads
+# (Qwen3.5-397B at TP8 keeps 8 value heads per GPU) a long prompt gives the state kernel
+# ``HV x V-blocks`` independent chains, 16 for 8 heads, on a 132-SM GPU. Cutting each long
+# sequence into ``P`` segments that run side by side multiplies that by ``P``, provided each
+# segment can get its start state without waiting for the segment before it.
+#
+# How a segment's start state is rebuilt (per segment and value head, decided on the device
+# from the actual gates):
+#
+# (a) **Warm-up.** Run the recurrence from a zero state over the ``W`` tokens before the
+#     segment. The state at the segment start ``s`` is ``S(s) = S(s - W) M + X`` where ``X`` is
+#     the warm-up result and ``M`` the product of the window's transitions
+#     ``exp(g_t) (I - beta_t k_t k_t^T)``. With L2-normalised keys and ``beta`` in [0, 1] every
+#     factor ``I - beta k k^T`` has spectral norm <= 1, so ``||M||_2 <= exp(sum_window g)``
+#     and the warm-up error is at most ``exp(sum_window g) * ||S(s - W)||``.
+# (b) **Exact.** For heads whose gate does not decay enough over the window the start state
+#     must be the true one. The reference below carries it through the segment transitions:
+#     each segment ``p`` computed from zero gives ``X_p`` and from the identity (with ``u = 0``)
+#     its transition ``A_p``, then ``h_{p+1} = A_p h_p + X_p`` (a short scan over segments). The
+#     kernel (``qla_serving.kernels.chunk_prefill``) takes the simpler exact route: the block of
+#     such a (segment, head) replays the sequence from its start with the true initial state,
+#     which costs that head the speedup but no accuracy; with Qwen-like gates few heads need it.
+#
+# The error argument for (a), with numbers. bf16 keeps 8 significant bits, so each stored
+# element carries a relative rounding error up to ``2^-9 ~ 2.0e-3``; the kernels' measured
+# output error against the float64 oracle is of that order (a few 1e-3, see the GPU tests).
+# Warm-up is used only where ``exp(sum_window g) <= 2^-16 ~ 1.5e-5`` (``sum_window g <=
+# -11.09``). The truncated term is then at most ``1.5e-5 * ||S(s - W)||``. Under a decaying
+# gate the state norm is near-stationary; even allowing ``||S(s - W)|| <= 16 ||S(s)||`` the
+# relative error added is ``<= 2.4e-4``, about a tenth of one bf16 rounding step, so the CP
+# path's total error stays within ``1.1x`` of the non-CP path's. Heads that decay less
+# (``A_log`` near -4 makes ``g ~ -0.01`` per token, ~ -3 over 256 tokens) take (b).
+
+
+def chunk_gated_delta_rule_cp_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cp: ContextParallelPlan,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    log_decay_threshold: float = LOG_DECAY_THRESHOLD,
+    mode: str = "auto",
+    dtype: torch.dtype = torch.float32,
+):
+    """The chunked gated delta rule computed segment-parallel, as the AutoCP kernels do.
+
+    Arguments are those of :func:`~.naive.chunk_gated_delta_rule_ref` plus ``cp`` (the
+    segments) and ``mode``: ``"auto"`` picks warm-up or exact per (segment, head) from the
+    gates, ``"warmup"``/``"exact"`` force one (for tests).
+
+    Returns:
+        ``(o [T, HV, V], final_state [N, HV, V, K], warmup_used)`` where ``warmup_used`` lists,
+        per sequence, a ``[P, HV]`` bool tensor (segment 0 is never warm-started).
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    scale = K**-0.5 if scale is None else scale
+    dev = q.device
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, use_qk_l2norm, dtype)
+    o = torch.zeros(T, HV, V, dtype=dtype, device=dev)
+    finals, modes = [], []
+    for n, (bos, eos) in enumerate(_seq_bounds(cu_seqlens, T)):
+        h0 = (torch.zeros(HV, K, V, dtype=dtype, device=dev) if initial_state is None
+              else initial_state[n].to(dtype).transpose(-1, -2))
+        starts = [s for s in cp.segments[n] if s < eos - bos] or [0]
+        bounds = list(zip(starts, starts[1:] + [eos - bos]))
+        qs, ks, vs, gs, bs = (x[bos:eos] for x in (q, k, v, g, beta))
+        # (b) exact: each segment from zero (X) and its transition from the identity with no
+        # values (A), both independent of the segments before; then the scan h' = A h + X.
+        eye = torch.eye(K, dtype=dtype, device=dev).expand(HV, K, K).clone()
+        exact = [h0]
+        for s, e in bounds[:-1]:
+            _, X = chunk_state_pass(ks[s:e], vs[s:e], gs[s:e], bs[s:e], torch.zeros_like(h0))
+            _, A = chunk_state_pass(ks[s:e], torch.zeros_like(ks[s:e]), gs[s:e], bs[s:e], eye)
+            exact.append(A @ exact[-1] + X)
+        used = torch.zeros(len(bounds), HV, dtype=torch.bool, device=dev)
+        for p, (s, e) in enumerate(bounds):
+            start = exact[p]
+            w0 = max(s - cp.warmup_tokens, 0)
+            # (a) warm-up. A window that reaches the sequence start begins at the initial state
+            # and is exact, so it is not counted as a warm-up.
+            if p > 0 and w0 > 0 and mode != "exact":
+                _, warm = chunk_state_pass(ks[w0:s], vs[w0:s], gs[w0:s], bs[w0:s], torch.zeros_like(h0))
+                take = (torch.ones(HV, dtype=torch.bool, device=dev) if mode == "warmup"
+                        else gs[w0:s].sum(0) <= log_decay_threshold)
+                used[p] = take
+                start = torch.where(take[:, None, None], warm, start)
+            per_chunk, h_end = chunk_state_pass(ks[s:e], vs[s:e], gs[s:e], bs[s:e], start)
+            o[bos + s:bos + e] = chunk_output(qs[s:e], ks[s:e], per_chunk, scale)
+        finals.append(h_end.transpose(-1, -2))
+        modes.append(used)
+    return o, torch.stack(finals), modes
+
+
+# The prefill benchmark's grid (issue #3): value heads per GPU and batch compositions.
