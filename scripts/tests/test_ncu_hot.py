@@ -5,7 +5,7 @@ import pathlib
 import subprocess
 import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ncu_hot.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "ncu_hot.py"
 PAGE = (
     "prep_kernel\n"
     '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("trace_variants", ROOT / "scripts" / "trace" / "variants.py")
 variants = importlib.util.module_from_spec(spec)
 sys.modules["trace_variants"] = variants
