@@ -8,7 +8,6 @@ do not support falls back to the reference with one warning naming the reason; w
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -126,9 +125,9 @@ def use_kernels(op: str, device: torch.device, head_k: int, head_v: int, dtype: 
     return False
 
 
-def kernel_entry(op: str, module: str, entry: str, device: torch.device, head_k: int, head_v: int,
-                 dtype: torch.dtype):
-    """``qla_serving.kernels.<module>.<entry>`` when ``op`` runs on the kernels, else None.
+def kernel_entry(op: str, load, device: torch.device, head_k: int, head_v: int, dtype: torch.dtype):
+    """``load()`` (the op's own import of its kernel entry point) when ``op`` runs on the kernels,
+    else None.
 
     A configuration the kernels do not support, or a kernel module that does not import,
     falls back (one warning) or raises under ``QLA_STRICT=1``.
@@ -136,7 +135,7 @@ def kernel_entry(op: str, module: str, entry: str, device: torch.device, head_k:
     if not use_kernels(op, device, head_k, head_v, dtype):
         return None
     try:
-        return getattr(importlib.import_module(f"qla_serving.kernels.{module}"), entry)
-    except (ImportError, AttributeError) as e:
-        _fall_back(op, f"the {module} kernel module does not import ({e})")
+        return load()
+    except ImportError as e:
+        _fall_back(op, f"the kernel module does not import ({e})")
         return None

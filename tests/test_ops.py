@@ -190,16 +190,23 @@ def test_kernel_entry_resolves_the_kernel_functions(monkeypatch):
 
     monkeypatch.setattr(backend, "device_unsupported_reason", lambda device: None)
     dev = torch.device("cpu")
-    assert backend.kernel_entry("prefill", "chunk_prefill", "chunk_gated_delta_rule_fwd", dev, 128, 128,
+    from qla_serving.ops.gated_delta_rule import chunk as chunk_op
+    from qla_serving.ops.gated_delta_rule import decode as decode_op
+
+    assert backend.kernel_entry("prefill", chunk_op._prefill_kernels, dev, 128, 128,
                                 torch.bfloat16) is chunk_prefill.chunk_gated_delta_rule_fwd
-    assert backend.kernel_entry("decode", "decode", "gated_delta_rule_decode_fwd", dev, 128, 128,
+    assert backend.kernel_entry("decode", decode_op._decode_kernel, dev, 128, 128,
                                 torch.float16) is decode.gated_delta_rule_decode_fwd
+
+    def broken():
+        import qla_serving.kernels.no_such_module  # noqa: F401
+
     backend._warned.clear()
-    assert backend.kernel_entry("decode", "no_such_module", "fwd", dev, 128, 128, torch.bfloat16) is None
+    assert backend.kernel_entry("decode", broken, dev, 128, 128, torch.bfloat16) is None
     assert any("no_such_module" in r for _, r in backend._warned)
     monkeypatch.setenv("QLA_STRICT", "1")
-    with pytest.raises(backend.KernelUnavailable, match="no_such_module kernel module does not import"):
-        backend.kernel_entry("decode", "no_such_module", "fwd", dev, 128, 128, torch.bfloat16)
+    with pytest.raises(backend.KernelUnavailable, match="kernel module does not import.*no_such_module"):
+        backend.kernel_entry("decode", broken, dev, 128, 128, torch.bfloat16)
 
 
 def test_tilelang_version_mismatch_is_a_fallback_reason(monkeypatch):

@@ -56,11 +56,17 @@ def _flatten_batch(name: str, x: torch.Tensor, rank: int, layout: str) -> torch.
     return x
 
 
+def _prefill_kernels():
+    """The TileLang chunked prefill (imported on first use: TileLang loads only where it runs)."""
+    from ...kernels.chunk_prefill import chunk_gated_delta_rule_fwd
+
+    return chunk_gated_delta_rule_fwd
+
+
 def _run_prefill(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_initial_state,
                  use_qk_l2norm, checkpoints, out) -> None:
     """Run on validated flat inputs; updates ``state_pool``/``checkpoints``/``out`` in place."""
-    fwd = backend.kernel_entry("prefill", "chunk_prefill", "chunk_gated_delta_rule_fwd", q.device,
-                               q.shape[2], v.shape[2], q.dtype)
+    fwd = backend.kernel_entry("prefill", _prefill_kernels, q.device, q.shape[2], v.shape[2], q.dtype)
     if fwd is not None:
         fwd(q, k, v, g.float() if g.dtype != torch.float32 else g, beta, scale=scale, plan=plan,
             state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,

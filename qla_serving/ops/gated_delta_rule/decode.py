@@ -13,6 +13,13 @@ from . import checks
 from .naive import recurrent_decode_ref
 
 
+def _decode_kernel():
+    """The TileLang decode step (imported on first use: TileLang loads only where it runs)."""
+    from ...kernels.decode import gated_delta_rule_decode_fwd
+
+    return gated_delta_rule_decode_fwd
+
+
 def gated_delta_rule_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -105,7 +112,7 @@ def gated_delta_rule_decode(
         checks.expect_contiguous("out", out)
     scale = K**-0.5 if scale is None else scale
 
-    fwd = backend.kernel_entry("decode", "decode", "gated_delta_rule_decode_fwd", q.device, K, V, q.dtype)
+    fwd = backend.kernel_entry("decode", _decode_kernel, q.device, K, V, q.dtype)
     if fwd is not None:
         fwd(q, k, v, a, b, A_log, dt_bias, state_pool=state_pool, state_indices=state_indices, scale=scale,
             use_qk_l2norm=use_qk_l2norm_in_kernel, out=out, intermediate_states=intermediate_states,
