@@ -80,17 +80,28 @@ def device_unsupported_reason(device: torch.device) -> str | None:
     return tilelang_unsupported_reason()
 
 
-def config_unsupported_reason(head_k: int, head_v: int, dtype: torch.dtype) -> str | None:
-    """Why the kernels cannot run these head dims and activation dtype, or None."""
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent-state pools the kernels keep
+
+
+def config_unsupported_reason(head_k: int, head_v: int, dtype: torch.dtype,
+                              state_dtype: torch.dtype | None = None) -> str | None:
+    """Why the kernels cannot run these head dims, activation dtype and state-pool dtype, or None."""
     if head_k != 128 or head_v != 128:
         return f"head dims K={head_k}, V={head_v}; the kernels need K = V = 128"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"activations are {dtype}; the kernels take bfloat16 or float16"
+    if state_dtype is not None and state_dtype not in STATE_DTYPES:
+        return f"the recurrent state cache is {state_dtype}; the kernels keep it in float32 or bfloat16"
     return None
 
 
-def unsupported_reason(device: torch.device, head_k: int, head_v: int, dtype: torch.dtype) -> str | None:
-    return device_unsupported_reason(torch.device(device)) or config_unsupported_reason(head_k, head_v, dtype)
+def unsupported_reason(device: torch.device, head_k: int, head_v: int, dtype: torch.dtype,
+                       state_dtype: torch.dtype | None = None) -> str | None:
+    """Why the kernels cannot run here, or None: the one decision the ops and both engine
+    adapters ask. The model's limits come first (they hold on every machine, so the message
+    names them even where the device is also unsuitable), then the device and TileLang."""
+    return (config_unsupported_reason(head_k, head_v, dtype, state_dtype)
+            or device_unsupported_reason(torch.device(device)))
 
 
 def fall_back_once(message: str, seen: set, key, *, strict_message: str | None = None,

@@ -567,7 +567,7 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
     if os.environ.get("QLA_FORCE_REFERENCE") == "1":
         logger.warning("qla-serving: QLA_FORCE_REFERENCE=1, SGLang's GDN layers run the PyTorch reference")
         return None
-    reason = qla_backend.unsupported_reason(device, K, V, dtype)
+    reason = qla_backend.unsupported_reason(device, K, V, dtype, pool.dtype)
     if reason is not None:
         message = (
             f"qla-serving: --linear-attn-backend flashqla cannot run here ({reason}); "

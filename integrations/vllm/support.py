@@ -20,12 +20,6 @@ logger = logging.getLogger("vllm.qla_serving")
 
 _warned: set[str] = set()
 
-STATE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-# Kept under its old name for the adapter's callers; the check lives in the core.
-tilelang_unsupported_reason = backend.tilelang_unsupported_reason
-
 
 def unsupported_reason(
     device: torch.device | str,
@@ -42,14 +36,7 @@ def unsupported_reason(
         activation_dtype: the model's activation dtype.
         state_dtype: the dtype of vLLM's recurrent (ssm) state cache.
     """
-    # The model's own limits first: they hold on every machine, so the message names them
-    # even where the device is also unsuitable.
-    reason = backend.config_unsupported_reason(head_k_dim, head_v_dim, activation_dtype)
-    if reason is None and state_dtype not in STATE_DTYPES:
-        reason = f"the recurrent state cache is {state_dtype}; the kernels keep it in float32 or bfloat16"
-    if reason is None:
-        reason = backend.device_unsupported_reason(torch.device(device))
-    return reason
+    return backend.unsupported_reason(device, head_k_dim, head_v_dim, activation_dtype, state_dtype)
 
 
 def decide(reason: str | None, *, what: str = "GDN layers") -> bool:

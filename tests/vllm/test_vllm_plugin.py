@@ -185,18 +185,17 @@ def test_tilelang_reasons(monkeypatch):
     import importlib.util
 
     from qla_serving import backend
-    from qla_serving.integrations.vllm import support
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "tilelang" else real_find_spec(name, *a))
-    assert "not installed" in support.tilelang_unsupported_reason()
+    assert "not installed" in backend.tilelang_unsupported_reason()
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
     monkeypatch.setattr(backend, "TILELANG_VERSION", "99.0.0")
     if real_find_spec("tilelang") is not None:
-        assert "99.0.0" in support.tilelang_unsupported_reason()
+        assert "99.0.0" in backend.tilelang_unsupported_reason()
         monkeypatch.setenv("QLA_ALLOW_TILELANG", "1")
-        assert support.tilelang_unsupported_reason() is None
+        assert backend.tilelang_unsupported_reason() is None
 
 
 def test_strict_mode_raises_on_cpu(flashqla_config, distributed, monkeypatch):
