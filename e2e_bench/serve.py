@@ -165,7 +165,6 @@ class Setup:
     tp: int
     max_len: int
     port: int = 8321
-    state_dtype: str | None = None  # the model's; None lets the engine decide
     multimodal: bool = False  # a ...ForConditionalGeneration config: serve the language model only
 
 
@@ -764,7 +763,7 @@ def main(argv=None) -> int:
     work = pathlib.Path(args.work_dir or f"/tmp/qla-serve-{args.engine}-{args.model}-tp{args.tp}")
     work.mkdir(parents=True, exist_ok=True)
     model_dir = write_model(spec, args.layers, max_len, work / "model")
-    s = Setup(args.engine, model_dir, args.tp, max_len, args.port, spec.get("state_dtype"),
+    s = Setup(args.engine, model_dir, args.tp, max_len, args.port,
               multimodal=spec["architecture"].endswith("ForConditionalGeneration"))
     backends = list(dict.fromkeys(args.backends))
     if args.reference in backends:  # the reference first: its tokens are what the others are compared to
@@ -790,7 +789,9 @@ def main(argv=None) -> int:
     budget_end = start + args.budget if args.budget else float("inf")
     prompts = agreement_prompts(args.agree_prompts, 200, 4000, seed=1) if args.agree_prompts else []
     gpu = gpu_name()
-    key = {"engine": args.engine, "model": args.model, "layers": args.layers, "tp": args.tp, "gpu": gpu}
+    # calls add up only for the same setup and points (a backend's file holds its latest call)
+    key = {"engine": args.engine, "model": args.model, "layers": args.layers, "tp": args.tp, "gpu": gpu,
+           "workloads": args.workloads, "concurrency": args.concurrency, "server_args": args.server_arg}
     command = shlex.join(["python", "-m", "e2e_bench.serve", *argv])
     for backend in backends:
         resolved_default = (load_backend(work, "default", key) or {}).get("info", {}).get("resolved")
