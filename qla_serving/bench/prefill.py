@@ -32,11 +32,9 @@ import os
 import sys
 import traceback
 
-os.environ.setdefault("FLA_FLASH_QLA", "0")  # before fla is imported: FLA's own Triton path
-
 import torch
 
-from ..ops.gated_delta_rule.naive import CHUNK_SIZE as C
+from ..constants import CHUNK_SIZE as C
 from . import common
 
 HEAD_CONFIGS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (8, 24), (16, 16)]
@@ -134,7 +132,14 @@ def runner_qla(x, hqk, hv, autocp=True):
     return fn
 
 
+def _fla_own_path() -> None:
+    """FLA's own Triton kernels, not the FlashQLA ones FLA can dispatch to: read when fla first
+    imports, so set before any runner that imports fla (directly or through FlashQLA)."""
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
+
+
 def runner_fla(x, hqk, hv):
+    _fla_own_path()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     q, k, v = (t.unsqueeze(0) for t in (x["q"], x["k"], x["v"]))
@@ -169,6 +174,7 @@ def runner_flashinfer(x, hqk, hv):
 
 
 def runner_flashqla(x, hqk, hv):
+    _fla_own_path()
     from flash_qla import chunk_gated_delta_rule
 
     q, k, v = (t.unsqueeze(0) for t in (x["q"], x["k"], x["v"]))
