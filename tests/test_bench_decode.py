@@ -120,10 +120,10 @@ def test_sweep_cases_prefixes_and_skips():
 
 
 def test_sweep_report_picks_best_tiles_and_leaves_out_failures(monkeypatch):
-    from qla_serving.kernels import decode
+    from qla_serving.kernels import decode_tiles
 
     # the report compares with the configured tile: pin the table, not the shipped choice
-    monkeypatch.setattr(decode, "DECODE_CONFIGS", {"float32": {"bands": [(128, "16x128"), (None, "32x128")]},
+    monkeypatch.setattr(decode_tiles, "DECODE_CONFIGS", {"float32": {"bands": [(128, "16x128"), (None, "32x128")]},
                                                     "bfloat16": {"bands": [(None, "32x64")]}})
 
     def r(tile, ms, batch, hv=8, hqk=2):

@@ -306,7 +306,7 @@ def test_bad_tiles_name_the_constraint(text, dtype, message):
 
 
 def test_configured_tiles_both_forms(monkeypatch):
-    from qla_serving.kernels import decode
+    from qla_serving.kernels import decode, decode_tiles
 
     legacy = {
         "float32": {"rows_per_cta": 32, "threads": 128, "small_rows_per_cta": 16, "small_threads": 128},
@@ -319,7 +319,7 @@ def test_configured_tiles_both_forms(monkeypatch):
         },
         "small_max_pairs": 128,
     }
-    monkeypatch.setattr(decode, "DECODE_CONFIGS", legacy)
+    monkeypatch.setattr(decode_tiles, "DECODE_CONFIGS", legacy)
     assert str(decode._tile_for(128, torch.float32)) == "16x128"
     assert str(decode._tile_for(129, torch.float32)) == "32x128"
     assert str(decode._tile_for(10**6, torch.bfloat16)) == "32x64l4"
@@ -327,7 +327,7 @@ def test_configured_tiles_both_forms(monkeypatch):
         "float32": {"bands": [(64, "8x32s"), (4096, "16x64s"), (None, "32x128")]},
         "bfloat16": {"bands": [(None, (32, 64, 8, 0, True))]},
     }
-    monkeypatch.setattr(decode, "DECODE_CONFIGS", bands)
+    monkeypatch.setattr(decode_tiles, "DECODE_CONFIGS", bands)
     assert [str(decode._tile_for(p, torch.float32)) for p in (1, 64, 65, 4096, 4097)] == [
         "8x32s",
         "8x32s",
@@ -342,10 +342,10 @@ def test_configured_tiles_both_forms(monkeypatch):
             assert str(decode._tile_for(5, torch.float32)) == "8x32"
         assert str(decode._tile_for(5, torch.float32)) == "64x64"
     assert str(decode._tile_for(5, torch.bfloat16)) == "32x64s"
-    monkeypatch.setattr(decode, "DECODE_CONFIGS", {"float32": {"bands": [(64, "8x32")]}})
+    monkeypatch.setattr(decode_tiles, "DECODE_CONFIGS", {"float32": {"bands": [(64, "8x32")]}})
     with pytest.raises(ValueError, match="last band must have no pair limit"):
         decode._tile_for(1, torch.float32)
-    monkeypatch.setattr(decode, "DECODE_CONFIGS", {"bfloat16": {"bands": [(None, "32x64l32")]}})
+    monkeypatch.setattr(decode_tiles, "DECODE_CONFIGS", {"bfloat16": {"bands": [(None, "32x64l32")]}})
     with pytest.raises(ValueError, match="lanes_per_row <= 16"):
         decode._tile_for(1, torch.bfloat16)
 
