@@ -852,37 +852,3 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
         has_initial_state.view(torch.uint8), h0_slots, h0_pool, h0_stride, state_indices, flat_pool,
         state_pool.stride(0), every_chunks, ckpt, float(LOG_DECAY_THRESHOLD), float(scale), out)
     return dict(t_beta=t_beta, g_cum=g_cum, qk_rnorm=qk_rnorm)
-
-
-_SHORT = {"bf16": torch.bfloat16, "fp16": torch.float16, "f32": torch.float32}
-
-
-def _warmup_spec(spec: str) -> str:
-    """``"H:HV:dtype:beta_dtype:pool_dtype:l2"`` (dtypes bf16|fp16|f32, l2 0|1) -> compiled."""
-    h, hv, dt, bdt, pdt, l2 = spec.split(":")
-    warmup(int(h), int(hv), dtype=_SHORT[dt], beta_dtype=_SHORT[bdt], pool_dtype=_SHORT[pdt], use_qk_l2norm=l2 == "1")
-    return spec
-
-
-def main(argv=None) -> None:
-    """Fill TileLang's disk cache for several static configs in parallel processes.
-
-    ``python -m qla_serving.kernels.chunk_prefill 2:8:bf16:bf16:f32:1 16:64:bf16:bf16:f32:1 ...``
-    """
-    import argparse
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    import time
-
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("specs", nargs="+")
-    ap.add_argument("-j", "--jobs", type=int, default=4)
-    args = ap.parse_args(argv)
-    t0 = time.time()
-    with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex:
-        for spec in ex.map(_warmup_spec, args.specs):
-            print(f"ready {spec} at {time.time() - t0:.0f}s", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,6 +2,7 @@
 
     qla-serving check          # ops vs the float64 oracle on a Qwen3.5-27B-shaped batch
     qla-serving info           # versions, device, and which path each op takes
+    qla-serving compile        # build the kernels of given GDN configurations ahead of serving
     qla-serving bench prefill  # GPU benchmarks (see qla_serving.bench)
     qla-serving bench decode
 """
@@ -208,6 +209,26 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_compile(args) -> int:
+    from . import compile as qc
+
+    heads = list(args.heads or [])
+    if args.model_config:
+        try:
+            full = qc.model_heads(args.model_config)
+            heads += [qc.per_rank(full, tp) for tp in args.tp]
+        except (OSError, ValueError) as e:
+            print(f"qla-serving compile: {e}", file=sys.stderr)
+            return 2
+    configs = qc.plan_configs(heads, engine=args.engine, dtypes=args.dtype, states=args.state,
+                              verify_tokens=args.verify_tokens, gate_dtype=args.gate_dtype,
+                              bias_dtype=args.bias_dtype)
+    print(f"qla-serving compile: {len(configs)} configuration(s) for {args.engine}, heads "
+          f"{', '.join(f'{h}/{hv}' for h, hv in dict.fromkeys(heads))}")
+    failed = qc.compile_configs(configs)
+    return 1 if failed else 0
+
+
 def _cmd_bench(args) -> int:
     module = importlib.import_module(f"qla_serving.bench.{args.op}")
     return int(module.main(args.rest) or 0)
@@ -228,6 +249,25 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="versions, device and the path each op takes")
     p.set_defaults(fn=_cmd_info)
     p = sub.add_parser(
+        "compile", help="build the kernels of given GDN configurations ahead of serving",
+        description="Compile (into TileLang's cache, TILELANG_CACHE_DIR) every kernel a served model needs, "
+                    "so the engine loads instead of compiling at start-up. Needs TileLang and nvcc, not a GPU.")
+    p.add_argument("--heads", type=parse_heads, nargs="+", help="GDN heads per rank, Hqk/Hv")
+    p.add_argument("--model-config", help="a hybrid Qwen config.json; with --tp, its heads per rank")
+    p.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes (with --model-config)")
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
+                   help="the engine whose way of handing the kernels their inputs to compile for")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], nargs="+", default=["bf16"], help="activation dtypes")
+    p.add_argument("--state", choices=["fp32", "bf16"], nargs="+", default=["fp32", "bf16"],
+                   help="recurrent-state pool dtypes")
+    p.add_argument("--verify-tokens", type=int, nargs="*", default=[],
+                   help="tokens per sequence in speculative verify (num_speculative_tokens + 1)")
+    p.add_argument("--gate-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="dtype of the layers' A_log (as the checkpoint stores it)")
+    p.add_argument("--bias-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="dtype of the layers' dt_bias (default: --gate-dtype)")
+    p.set_defaults(fn=_cmd_compile)
+    p = sub.add_parser(
         "bench", help="GPU benchmarks, side by side with FLA and FlashInfer",
         description="Kernel benchmarks (results and a markdown table in e2e_bench/results/). "
                     "prefill: the chunked prefill grid against FLA, FlashInfer and FlashQLA; "
@@ -238,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the benchmark's own options")
     p.set_defaults(fn=_cmd_bench)
     args = parser.parse_args(argv)
+    if args.cmd == "compile":
+        if not args.heads and not args.model_config:
+            parser.error("compile: give --heads or --model-config")
+        if any(t < 1 for t in args.tp):
+            parser.error(f"compile: --tp {args.tp}: each must be >= 1")
+        if any(not 1 <= t <= 8 for t in args.verify_tokens):
+            parser.error(f"compile: --verify-tokens {args.verify_tokens}: each must be in 1..8")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.fn(args)
 

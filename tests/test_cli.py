@@ -71,3 +71,53 @@ def test_help_names_the_subcommands_plainly(capsys):
         cli.main(["bench", "--help"])
     out = capsys.readouterr().out
     assert "rest" not in out and "decode: the decode step" in out
+
+
+def test_compile_plans_per_rank_heads_from_a_model_config(tmp_path):
+    from qla_serving import compile as qc
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"text_config": {"linear_num_key_heads": 16, "linear_num_value_heads": 64}}')
+    assert qc.model_heads(cfg) == (16, 64)
+    assert [qc.per_rank((16, 64), tp) for tp in (1, 2, 4, 8)] == [(16, 64), (8, 32), (4, 16), (2, 8)]
+    with pytest.raises(ValueError, match="does not divide the GDN heads 16/64"):
+        qc.per_rank((16, 64), 3)
+    configs = qc.plan_configs([(4, 16), (2, 8)], engine="vllm", dtypes=["bf16"], states=["fp32", "bf16"],
+                              verify_tokens=[3])
+    assert len(configs) == 2 * 2 * 2  # heads x states x (serving, verify)
+    assert all(c.prefill_qk_l2norm is False for c in configs)  # vLLM normalises q and k itself
+    verify = [c for c in configs if c.verify_tokens == 3]
+    assert len(verify) == 4 and all(c.phases == frozenset({"verify"}) for c in verify)
+    assert qc.plan_configs([(2, 8)], engine="sglang", dtypes=["fp16"], states=["fp32"])[0].prefill_qk_l2norm
+
+
+def test_compile_runs_every_kernel_warmup(monkeypatch, capsys, tmp_path):
+    from qla_serving import compile as qc
+
+    calls = []
+    monkeypatch.setattr(qc, "resolve_steps", lambda specs, log=None: [
+        (label, lambda label=label, kw=kw: calls.append((label, kw))) for label, _m, _f, kw in specs])
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"linear_num_key_heads": 16, "linear_num_value_heads": 32}')
+    assert cli.main(["compile", "--model-config", str(cfg), "--tp", "4", "8", "--state", "bf16"]) == 0
+    assert "2 configuration(s) for vllm, heads 4/8, 2/4" in capsys.readouterr().out
+    assert [label for label, _ in calls] == ["prefill", "decode", "prefill", "decode"]
+    assert calls[0][1]["num_qk_heads"] == 4 and calls[2][1]["num_v_heads"] == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["compile"], "give --heads or --model-config"),
+    (["compile", "--heads", "2/8", "--verify-tokens", "9"], "each must be in 1..8"),
+    (["compile", "--heads", "2/7"], "HV must be a positive multiple of H"),
+])
+def test_compile_arguments(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_compile_names_a_bad_model_config(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"num_attention_heads": 8}')
+    assert cli.main(["compile", "--model-config", str(cfg)]) == 2
+    assert "not a hybrid Qwen (GDN) model config" in capsys.readouterr().err
