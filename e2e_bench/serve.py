@@ -415,6 +415,7 @@ class Server:
 
 def backend_env(backend: str) -> dict:
     env = dict(os.environ)
+    env["QLA_BENCH_GDN_GATES"] = "1"  # SGLang's dummy weights with gates that remember (vLLM: qla_dummy)
     if backend == "flashqla":
         env["QLA_STRICT"] = "1"  # a fallback is an error: the row is ours or absent
     return env

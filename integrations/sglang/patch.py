@@ -45,6 +45,11 @@ DISPATCHER_INIT = f"{GDN_MODULE}.GDNKernelDispatcher.__init__"
 BACKEND_INIT = f"{GDN_MODULE}.GDNAttnBackend.__init__"
 BACKEND_METADATA = f"{GDN_MODULE}.GDNAttnBackend.init_forward_metadata"
 EXTRA_BUFFER_CHECK = "sglang.srt.arg_groups.overrides.supports_mamba_cache_extra_buffer"
+DUMMY_LOAD = "sglang.srt.model_loader.loader.DummyModelLoader.load_model"
+#: Set to 1 (the serving benchmark does) to re-draw the GDN gates of `--load-format dummy` models,
+#: as vLLM's `--load-format qla_dummy` does: dummy gates forget within ~10 tokens, so a wrong state
+#: would not change the outputs.
+BENCH_GATES_ENV = "QLA_BENCH_GDN_GATES"
 
 _installed = False
 
@@ -196,6 +201,15 @@ def our_kernel(dispatcher):
     return None
 
 
+def _dummy_load_after(result, *args, **kwargs):
+    """After SGLang's dummy loader: GDN gates that remember, when the benchmark asks for them."""
+    if os.environ.get(BENCH_GATES_ENV) == "1" and result is not None:
+        from qla_serving.bench.gates import init_gdn_gates
+
+        logger.info("qla-serving: %s=1: re-drew the gates of %d GDN layers", BENCH_GATES_ENV, init_gdn_gates(result))
+    return None
+
+
 def _backend_init_after(result, self, model_runner, *args, **kwargs):
     """Bind our kernel to the model; fall back to triton (or raise) where it cannot run."""
     dispatcher = getattr(self, "kernel_dispatcher", None)
@@ -271,6 +285,7 @@ def install() -> None:
     HookRegistry.register(DISPATCHER_INIT, _dispatcher_init_around, HookType.AROUND)
     HookRegistry.register(BACKEND_INIT, _backend_init_after, HookType.AFTER)
     HookRegistry.register(BACKEND_METADATA, _metadata_after, HookType.AFTER)
+    HookRegistry.register(DUMMY_LOAD, _dummy_load_after, HookType.AFTER)
     try:
         from sglang.srt.arg_groups import overrides
 

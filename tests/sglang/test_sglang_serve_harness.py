@@ -64,3 +64,32 @@ def test_client_command_parses_with_sglangs_bench_serving(setup, tmp_path, monke
         assert (a.random_input_len, a.random_output_len, a.max_concurrency, a.num_prompts) == (i, o, 8, 16)
         assert a.dataset_name == "random" and float(a.random_range_ratio) == 1.0 and a.warmup_requests == 2
         assert a.output_file == str(tmp_path / "r.jsonl") and a.tokenizer == serve.tokenizer_dir(setup.model_dir)
+
+
+def test_dummy_weights_get_gates_that_remember(sglang_plugins, monkeypatch):
+    """The benchmark's SGLang servers (QLA_BENCH_GDN_GATES=1) re-draw the GDN gates after SGLang's
+    dummy loader, as vLLM's qla_dummy load format does; without the variable nothing changes."""
+    import importlib
+
+    import torch
+
+    from qla_serving.bench.gates import GATE_A_RANGE
+    from qla_serving.integrations.sglang import patch
+
+    module, cls, meth = patch.DUMMY_LOAD.rsplit(".", 2)
+    assert callable(getattr(getattr(importlib.import_module(module), cls), meth))  # the hook's target exists
+
+    class Gdn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.A_log = torch.nn.Parameter(torch.zeros(4))
+            self.dt_bias = torch.nn.Parameter(torch.zeros(4))
+
+    model = torch.nn.Sequential(Gdn())
+    monkeypatch.delenv(patch.BENCH_GATES_ENV, raising=False)
+    assert patch._dummy_load_after(model, None) is None and torch.equal(model[0].A_log, torch.zeros(4))
+    monkeypatch.setenv(patch.BENCH_GATES_ENV, "1")
+    assert patch._dummy_load_after(model, None) is None
+    a = model[0].A_log.exp()
+    assert bool(((a >= GATE_A_RANGE[0]) & (a <= GATE_A_RANGE[1])).all())
+    assert serve.backend_env("triton")["QLA_BENCH_GDN_GATES"] == "1"
