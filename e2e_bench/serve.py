@@ -40,6 +40,8 @@ import time
 import urllib.error
 import urllib.request
 
+from .vllm_offline import agreeing_prefix
+
 HERE = pathlib.Path(__file__).resolve().parent
 MODELS_DIR = HERE / "models"
 RESULTS_DIR = HERE / "results"
@@ -252,19 +254,12 @@ def agreement_prompts(n: int, min_len: int, max_len: int, seed: int) -> list[lis
     return [[rng.randrange(TOKENIZER_WORDS) for _ in range(length)] for length in lens]
 
 
-def tokens_before_divergence(ref: list[int], out: list[int]) -> int:
-    for i, (r, o) in enumerate(zip(ref, out)):
-        if r != o:
-            return i
-    return min(len(ref), len(out))
-
-
 def agree_fraction(ref: list[list[int]], out: list[list[int]]) -> float | None:
     """Tokens generated before the first divergence from ``ref``, over all of ``ref``'s tokens."""
     if not ref or not out or len(ref) != len(out):
         return None
     total = sum(len(r) for r in ref)
-    return sum(tokens_before_divergence(r, o) for r, o in zip(ref, out)) / total if total else None
+    return sum(agreeing_prefix(r, o) for r, o in zip(ref, out)) / total if total else None
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:

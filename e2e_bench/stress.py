@@ -45,6 +45,7 @@ import sys
 import time
 
 from . import serve
+from .vllm_offline import agreeing_prefix
 
 SCENARIOS = ("bad", "abort", "load", "prefix")
 EARLY = 16  # a divergence within a request's first EARLY tokens counts as early
@@ -250,7 +251,7 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> d
         if not o or g is None:
             continue
         compared += 1
-        n = serve.tokens_before_divergence(o, g)
+        n = agreeing_prefix(o, g)
         before.append(n)
         if n < min(EARLY, len(o)):
             early += 1
