@@ -49,8 +49,14 @@ import torch
 
 from ..constants import HEAD_DIM, L2NORM_EPS, SOFTPLUS_THRESHOLD
 from ..constants import MAX_DECODE_TOKENS as MAX_TOKENS
-from . import decode_tiles
-from .decode_tiles import LANES_PER_ROW, DecodeTile, _configured_tiles, _tile_for, force_tile  # noqa: F401
+from .decode_tiles import (  # noqa: F401 - LANES_PER_ROW, _configured_tiles, force_tile: this module's API too
+    LANES_PER_ROW,
+    DecodeTile,
+    _configured_tiles,
+    force_tile,
+    tile_for,
+    tiles_to_compile,
+)
 
 K_DIM = V_DIM = HEAD_DIM
 
@@ -291,6 +297,11 @@ def _get_kernel(key: DecodeStaticConfig):
     return kernel
 
 
+def _tile_for(num_pairs: int, pool_dtype: torch.dtype) -> DecodeTile:
+    """:func:`~.decode_tiles.tile_for` for a torch pool dtype."""
+    return tile_for(num_pairs, _TL_DTYPES[pool_dtype])
+
+
 def _key(
     H,
     HV,
@@ -357,12 +368,7 @@ def warmup(
     before = compile_count
     bias_dtype = gate_dtype if bias_dtype is None else bias_dtype
     ab_dtype = dtype if ab_dtype is None else ab_dtype
-    tiles = (
-        {decode_tiles._forced_tile}
-        if decode_tiles._forced_tile is not None
-        else {t for _, t in _configured_tiles(_TL_DTYPES[pool_dtype])}
-    )
-    for tile in tiles:
+    for tile in tiles_to_compile(_TL_DTYPES[pool_dtype]):
         _get_kernel(
             _key(
                 H,

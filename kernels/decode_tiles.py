@@ -9,13 +9,10 @@ docstring); ``DECODE_CONFIGS`` (kernels/configs.py) chooses one per pool dtype a
 import re
 from typing import NamedTuple
 
-import torch
-
 from ..constants import HEAD_DIM
 from .configs import DECODE_CONFIGS
 
 LANES_PER_ROW = 8  # default lanes sharing one state row (3-step butterfly reductions)
-_TORCH_POOL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 class DecodeTile(NamedTuple):
@@ -127,15 +124,22 @@ def _configured_tiles(pool_dtype: str) -> list[tuple[int | None, DecodeTile]]:
     return bands
 
 
-def _tile_for(num_pairs: int, pool_dtype: torch.dtype) -> DecodeTile:
-    """The tile for a call with ``num_pairs`` (sequence, value head) pairs: smaller tiles (more
-    CTAs) when there are few pairs."""
+def tile_for(num_pairs: int, pool_dtype: str) -> DecodeTile:
+    """The tile for a call with ``num_pairs`` (sequence, value head) pairs and a pool dtype
+    ("float32" or "bfloat16"): smaller tiles (more CTAs) when there are few pairs."""
     if _forced_tile is not None:
         return _forced_tile
-    for limit, tile in _configured_tiles(_TORCH_POOL_DTYPES[pool_dtype]):
+    for limit, tile in _configured_tiles(pool_dtype):
         if limit is None or num_pairs <= limit:
             return tile
     raise AssertionError("unreachable: the last band has no limit")
+
+
+def tiles_to_compile(pool_dtype: str) -> set[DecodeTile]:
+    """Every tile :func:`tile_for` can give for a pool dtype (the forced one during a sweep)."""
+    if _forced_tile is not None:
+        return {_forced_tile}
+    return {t for _, t in _configured_tiles(pool_dtype)}
 
 
 class force_tile:
