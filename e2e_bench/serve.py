@@ -59,6 +59,8 @@ TOKENIZER_WORDS = 32000  # word ids 0..31999; the end-of-text token comes after 
 EOS_TEXT = "<|endoftext|>"
 # `vllm` as this interpreter runs it (the GPU machine carries vLLM on PYTHONPATH, no console script)
 VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+# each engine's benchmark client as a command; its own arguments follow
+CLIENT_CLI = {"vllm": [*VLLM_CLI, "bench", "serve"], "sglang": [sys.executable, "-m", "sglang.bench_serving"]}
 ROW_KEYS = ("engine", "backend", "tp", "workload", "input_len", "output_len", "concurrency",
             "num_prompts", "request_throughput", "total_tok_s", "output_tok_s", "mean_ttft_ms",
             "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "agree_fraction", "startup_s")
@@ -211,14 +213,14 @@ def client_command(s: Setup, workload: str, concurrency: int, prompts: int, resu
     base = f"http://127.0.0.1:{s.port}"
     if s.engine == "vllm":
         out = pathlib.Path(result_file)
-        return [*VLLM_CLI, "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", "bench",
+        return [*CLIENT_CLI["vllm"], "--backend", "vllm", "--base-url", base, "--model", "bench",
                 "--tokenizer", tokenizer_dir(s.model_dir), "--dataset-name", "random", "--random-input-len", str(input_len),
                 "--random-output-len", str(output_len), "--random-range-ratio", "0", "--num-prompts",
                 str(prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
                 "--num-warmups", str(warmups), "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
                 "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
                 "--result-filename", out.name, "--disable-tqdm"]
-    return [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", base,
+    return [*CLIENT_CLI["sglang"], "--backend", "sglang", "--base-url", base,
             "--model", "bench", "--tokenizer", tokenizer_dir(s.model_dir), "--dataset-name", "random",
             "--random-input-len", str(input_len), "--random-output-len", str(output_len),
             "--random-range-ratio", "1", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
@@ -296,7 +298,7 @@ class Client:
         self.engine, self.env, self.proc = engine, env, None
 
     def run(self, cmd: list[str], log_path: pathlib.Path) -> tuple[int, str]:
-        prefix = len(VLLM_CLI) + 2 if self.engine == "vllm" else 3  # the client's own arguments follow
+        prefix = len(CLIENT_CLI[self.engine])
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, "-m", "e2e_bench.serve_client", self.engine],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env,
@@ -542,11 +544,14 @@ def load_backend(work: pathlib.Path, backend: str, key: dict) -> dict | None:
 
 
 def finish_rows(rows: list[dict], infos: list[dict], reference: str) -> None:
-    """agree_fraction of every row: its server's greedy tokens against the reference backend's."""
-    tokens = {i["backend"]: i.get("tokens") for i in infos}
-    ref = tokens.get(reference)
+    """agree_fraction of every backend and its rows: its server's greedy tokens against the
+    reference backend's."""
+    ref = next((i.get("tokens") for i in infos if i["backend"] == reference), None)
+    for info in infos:
+        info["agree_fraction"] = agree_fraction(ref, info.get("tokens"))
+    by_backend = {i["backend"]: i["agree_fraction"] for i in infos}
     for r in rows:
-        r["agree_fraction"] = agree_fraction(ref, tokens.get(r["backend"])) if ref else None
+        r["agree_fraction"] = by_backend.get(r["backend"])
         for k in ROW_KEYS:
             r.setdefault(k, None)
 
@@ -813,9 +818,6 @@ def main(argv=None) -> int:
             rows += saved["rows"]
             infos.append(saved["info"])
     finish_rows(rows, infos, args.reference)
-    for info in infos:
-        info["agree_fraction"] = agree_fraction(next((i.get("tokens") for i in infos if i["backend"] == args.reference), None),
-                                                info.get("tokens"))
     meta = {
         "gpu": gpu, "gpus": args.tp, "engine": args.engine, "tp": args.tp, "versions": versions(args.engine),
         "model": model_text, "model_name": spec["name"],

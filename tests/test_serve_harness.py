@@ -153,3 +153,12 @@ def test_flashqla_is_compared_with_the_best_built_in_backend():
     assert a["mean_ttft"] == pytest.approx(10 / 8) and a["mean_tpot"] == pytest.approx(5 / 4)
     assert by[("chat", 32)]["best"] == "triton" and by[("chat", 32)]["total_tok_s"] == pytest.approx(1.2)
     assert serve.against_best([r for r in rows if r["backend"] != "flashqla"]) == []
+
+
+def test_finish_rows_gives_each_backend_and_its_rows_one_agreement():
+    rows = [{"backend": b, "workload": "chat"} for b in ("default", "flashqla", "triton")]
+    infos = [{"backend": "default", "tokens": [[1, 2, 3, 4]]}, {"backend": "flashqla", "tokens": [[1, 2, 9, 4]]},
+             {"backend": "triton"}]
+    serve.finish_rows(rows, infos, "default")
+    assert [r["agree_fraction"] for r in rows] == [i["agree_fraction"] for i in infos] == [1.0, 0.5, None]
+    assert all(set(serve.ROW_KEYS) <= set(r) for r in rows)
