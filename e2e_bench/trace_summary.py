@@ -31,7 +31,6 @@ GDN_PATTERNS = {
     "post-conv prep": re.compile(r"post_conv|l2norm|fused_gdn_gating|gating", re.I),
 }
 GDN_OP = "vllm::qwen_gdn_attention_core"
-STEP_MARK = re.compile(r"execute_model|model_step|_model_forward|gpu_model_runner", re.I)
 
 
 def load_trace(path: pathlib.Path) -> list[dict]:
@@ -67,8 +66,6 @@ def summarize(events: list[dict], top: int = 25) -> dict:
         last = ts + dur if last is None else max(last, ts + dur)
     host = [float(e["dur"]) for e in events
             if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and e.get("name") == GDN_OP]
-    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-             and STEP_MARK.search(e.get("name", ""))]
     total = sum(kernels.values())
     return {
         "kernel_us_total": total,
@@ -78,7 +75,6 @@ def summarize(events: list[dict], top: int = 25) -> dict:
         "top": [(n, kernels[n], counts[n]) for n, _ in kernels.most_common(top)],
         "gdn_op_host_us": {"calls": len(host), "median": statistics.median(host) if host else None,
                            "mean": statistics.fmean(host) if host else None},
-        "steps_annotated": len(steps),
     }
 
 
