@@ -118,18 +118,16 @@ def write_model(directory: str | os.PathLike, **shape) -> str:
 _GATE_NAMES = ("GATE_A_RANGE", "GATE_DT_RANGE", "gdn_gate_values", "init_gdn_gates")
 
 
-def __getattr__(name):
-    if name in _GATE_NAMES:
-        from qla_serving.bench import gates
-
-        return getattr(gates, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _gates():
     from qla_serving.bench import gates
 
     return gates
+
+
+def __getattr__(name):
+    if name in _GATE_NAMES:
+        return getattr(_gates(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------- prompts
