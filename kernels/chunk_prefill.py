@@ -56,6 +56,7 @@ import torch
 
 from ..constants import CHUNK_SIZE as CHUNK
 from ..constants import HEAD_DIM, L2NORM_EPS, LOG_DECAY_THRESHOLD
+from . import library
 from .configs import PREFILL_CONFIGS
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): one MUFU instruction
@@ -69,7 +70,8 @@ _compile_count = 0
 
 
 def compile_count() -> int:
-    """Number of static configurations built in this process (each one is two kernels: prep and chunk_fwd)."""
+    """Number of static configurations compiled with TileLang in this process (each one is two kernels:
+    prep and chunk_fwd; library loads not counted)."""
     return _compile_count
 
 
@@ -708,8 +710,9 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
 
 
 def _kernel_set(cfg: PrefillStaticConfig):
-    """The two compiled kernels of ``cfg`` (``prep``, ``chunk_fwd``): built once per process (TileLang
-    also caches on disk)."""
+    """The two kernels of ``cfg`` (``prep``, ``chunk_fwd``), once per process: from a
+    precompiled library (:mod:`~.library`) when one holds both, else compiled with TileLang
+    (which also caches on disk)."""
     global _compile_count
     ks = _kernels.get(cfg)
     if ks is not None:
@@ -718,24 +721,29 @@ def _kernel_set(cfg: PrefillStaticConfig):
         ks = _kernels.get(cfg)
         if ks is not None:
             return ks
-        import tilelang
-
-        tune = PREFILL_CONFIGS
-        target, pc = _target(), _pass_configs()
-        # prep with nvcc's fast math (one MUFU per exp2/rsqrt, no denormal fix-ups): H200 16/64
-        # 8x4096 prep 0.592 -> 0.574 ms; chunk_fwd gained nothing from it and keeps exact math
-        prep = tilelang.compile(_build_prep(cfg, tune["prep_threads"], tune["prep_min_blocks"], tune["prep_a_row_pad"]),
-                                target=target, pass_configs=_pass_configs(fast_math=True))
-        # chunk_fwd places its own warpgroup barriers (see _build_chunk_fwd)
-        fwd_pc = dict(pc, **{tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
-        # denormals flushed (-ftz): exp2 is one MUFU instead of four instructions with its range
-        # fix-up (P's mask pass makes 32 per thread and chunk, on SMSPs it shares with the state)
-        fwd = tilelang.compile(_build_chunk_fwd(cfg, tuple(tune["fwd_role_nregs"])), target=target, pass_configs=fwd_pc,
-                               compile_flags=["-ftz=true"])
+        prep, fwd = library.lookup("prep", cfg), library.lookup("chunk_fwd", cfg)
+        if prep is None or fwd is None:
+            prep, fwd = _compile_set(cfg, library.tilelang_for(f"prefill kernels {cfg}"))
+            _compile_count += 1
         ks = (prep, fwd)
         _kernels[cfg] = ks
-        _compile_count += 1
         return ks
+
+
+def _compile_set(cfg: PrefillStaticConfig, tilelang):
+    tune = PREFILL_CONFIGS
+    target, pc = _target(), _pass_configs()
+    # prep with nvcc's fast math (one MUFU per exp2/rsqrt, no denormal fix-ups): H200 16/64
+    # 8x4096 prep 0.592 -> 0.574 ms; chunk_fwd gained nothing from it and keeps exact math
+    prep = tilelang.compile(_build_prep(cfg, tune["prep_threads"], tune["prep_min_blocks"], tune["prep_a_row_pad"]),
+                            target=target, pass_configs=_pass_configs(fast_math=True))
+    # chunk_fwd places its own warpgroup barriers (see _build_chunk_fwd)
+    fwd_pc = dict(pc, **{tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+    # denormals flushed (-ftz): exp2 is one MUFU instead of four instructions with its range
+    # fix-up (P's mask pass makes 32 per thread and chunk, on SMSPs it shares with the state)
+    fwd = tilelang.compile(_build_chunk_fwd(cfg, tuple(tune["fwd_role_nregs"])), target=target, pass_configs=fwd_pc,
+                           compile_flags=["-ftz=true"])
+    return prep, fwd
 
 
 def static_config(q, v, beta, state_pool, use_qk_l2norm: bool) -> PrefillStaticConfig:
@@ -748,7 +756,7 @@ def static_config(q, v, beta, state_pool, use_qk_l2norm: bool) -> PrefillStaticC
 
 def warmup(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_dtype=None,
            pool_dtype=torch.float32, use_qk_l2norm: bool = True) -> None:
-    """Compile (or load from TileLang's disk cache) one static configuration up front.
+    """Load (from a precompiled library) or compile one static configuration up front.
 
     Args:
         num_qk_heads / num_v_heads: ``H`` and ``HV`` (``HV % H == 0``).
@@ -759,9 +767,22 @@ def warmup(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_dt
     """
     if num_v_heads % num_qk_heads:
         raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_qk_heads={num_qk_heads}")
+    _kernel_set(_warmup_config(num_qk_heads, num_v_heads, dtype, beta_dtype, pool_dtype, use_qk_l2norm))
+
+
+def _warmup_config(num_qk_heads, num_v_heads, dtype, beta_dtype, pool_dtype, use_qk_l2norm) -> PrefillStaticConfig:
     beta_dtype = dtype if beta_dtype is None else beta_dtype
-    _kernel_set(PrefillStaticConfig(num_qk_heads, num_v_heads, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype],
-                                    _TORCH_TO_TL[pool_dtype], bool(use_qk_l2norm)))
+    return PrefillStaticConfig(num_qk_heads, num_v_heads, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype],
+                               _TORCH_TO_TL[pool_dtype], bool(use_qk_l2norm))
+
+
+def missing(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_dtype=None,
+            pool_dtype=torch.float32, use_qk_l2norm: bool = True) -> list[str]:
+    """The kernels :func:`warmup` (same arguments) needs that no precompiled library holds."""
+    cfg = _warmup_config(num_qk_heads, num_v_heads, dtype, beta_dtype, pool_dtype, use_qk_l2norm)
+    if cfg in _kernels:
+        return []
+    return [f"{kind} {cfg}" for kind in ("prep", "chunk_fwd") if not library.has(kind, cfg)]
 
 
 prepare = warmup

@@ -31,3 +31,19 @@ DECODE_CONFIGS: dict = {
     "float32": {"bands": [(128, "16x128"), (None, "8x32l32s")]},
     "bfloat16": {"bands": [(128, "16x128"), (None, "16x64s")]},
 }
+
+# The precompiled kernel library the wheel ships (qla_serving.kernels.library; built by
+# `qla-serving compile --shipped`): the per-rank GDN heads of the released hybrid Qwen models
+# (Qwen3-Next, Qwen3.5, Qwen3.6: 16 q/k heads and 16, 32, 48 or 64 value heads) at tensor
+# parallelism 1, 2, 4 and 8, for each engine's way of calling the kernels, every activation and
+# state dtype, and speculative verify of 1 to 3 draft tokens. A configuration outside it is
+# compiled with TileLang when a validated TileLang is installed.
+SHIPPED_CONFIGS: dict = {
+    "qk_heads": 16,
+    "v_heads": (16, 32, 48, 64),
+    "tp": (1, 2, 4, 8),
+    "engines": ("vllm", "sglang"),
+    "dtypes": ("bf16", "fp16"),
+    "states": ("fp32", "bf16"),
+    "verify_tokens": (2, 3, 4),
+}

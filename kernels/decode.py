@@ -36,8 +36,9 @@ The pool is passed as a flat 1-D view with the slot stride as a run-time scalar 
 one 16-byte vector, so the compiler can prove the vector loads aligned): vLLM's pool is a
 view whose slot stride exceeds ``HV * V * K`` (it shares a buffer with the conv state).
 
-The number of sequences ``N`` is a run-time value; a kernel is compiled once per static
-configuration (head counts, T, dtypes, flags, tile) and cached (:data:`compile_count`).
+The number of sequences ``N`` is a run-time value; a kernel exists once per static
+configuration (head counts, T, dtypes, flags, tile): loaded from a precompiled library
+(:mod:`~.library`) or compiled with TileLang, and cached (:data:`compile_count` counts compiles).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's annotations, which
@@ -49,6 +50,7 @@ import torch
 
 from ..constants import HEAD_DIM, L2NORM_EPS, SOFTPLUS_THRESHOLD
 from ..constants import MAX_DECODE_TOKENS as MAX_TOKENS
+from . import library
 from .decode_tiles import (  # noqa: F401 - LANES_PER_ROW, _configured_tiles, force_tile: this module's API too
     LANES_PER_ROW,
     DecodeTile,
@@ -91,7 +93,7 @@ class DecodeStaticConfig(NamedTuple):
 _cache: dict[DecodeStaticConfig, object] = {}
 _cache_lock = threading.Lock()
 _key_locks: dict[DecodeStaticConfig, threading.Lock] = {}
-compile_count = 0  # kernels compiled by this process (the engines check it stays flat)
+compile_count = 0  # kernels compiled with TileLang by this process (library loads not counted)
 
 
 def _build(cfg: DecodeStaticConfig):
@@ -268,7 +270,8 @@ def _build(cfg: DecodeStaticConfig):
 
 
 def _get_kernel(key: DecodeStaticConfig):
-    """The compiled kernel of one static configuration; compiles it on first use.
+    """The kernel of one static configuration: from a precompiled library
+    (:mod:`~.library`) when one holds it, else compiled with TileLang on first use.
 
     Different keys may compile in parallel threads (nvcc runs as a subprocess); one key
     compiles once.
@@ -282,18 +285,20 @@ def _get_kernel(key: DecodeStaticConfig):
     with key_lock:
         kernel = _cache.get(key)
         if kernel is None:
-            import tilelang
-
-            kernel = tilelang.compile(
-                _build(key),
-                target={"kind": "cuda", "arch": "sm_90a"},
-                # Addresses come from run-time slot numbers the compiler cannot bound; its
-                # guards would also stop the 16-byte vectorisation. The op layer checks shapes.
-                pass_configs={"tl.disable_safe_memory_legalize": True},
-            )
+            kernel = library.lookup("decode", key)
+            if kernel is None:
+                tilelang = library.tilelang_for(f"decode kernel {key}")
+                kernel = tilelang.compile(
+                    _build(key),
+                    target={"kind": "cuda", "arch": "sm_90a"},
+                    # Addresses come from run-time slot numbers the compiler cannot bound; its
+                    # guards would also stop the 16-byte vectorisation. The op layer checks shapes.
+                    pass_configs={"tl.disable_safe_memory_legalize": True},
+                )
+                with _cache_lock:
+                    compile_count += 1
             with _cache_lock:
                 _cache[key] = kernel
-                compile_count += 1
     return kernel
 
 
@@ -350,7 +355,7 @@ def warmup(
     intermediate_states: bool = False,
     inplace_final_state: bool = True,
 ) -> int:
-    """Compile (or load from TileLang's cache) every tile variant of one static configuration.
+    """Load (from a precompiled library) or compile every tile variant of one static configuration.
 
     The kernel is keyed on every input's dtype, so each must be the one the engine will pass
     (a model may keep ``A_log`` in float32 and ``dt_bias`` in bf16).
@@ -366,27 +371,29 @@ def warmup(
         the number of kernels compiled by this call (0 when all were cached).
     """
     before = compile_count
+    for key in _warmup_keys(H, HV, T, dtype, pool_dtype, gate_dtype, bias_dtype, ab_dtype, index_dtype,
+                            use_qk_l2norm, intermediate_states, inplace_final_state):
+        _get_kernel(key)
+    return compile_count - before
+
+
+def _warmup_keys(H, HV, T, dtype, pool_dtype, gate_dtype, bias_dtype, ab_dtype, index_dtype, use_qk_l2norm,
+                 intermediate_states, inplace_final_state) -> list[DecodeStaticConfig]:
     bias_dtype = gate_dtype if bias_dtype is None else bias_dtype
     ab_dtype = dtype if ab_dtype is None else ab_dtype
-    for tile in tiles_to_compile(_TL_DTYPES[pool_dtype]):
-        _get_kernel(
-            _key(
-                H,
-                HV,
-                T,
-                dtype,
-                ab_dtype,
-                gate_dtype,
-                bias_dtype,
-                pool_dtype,
-                index_dtype,
-                use_qk_l2norm,
-                intermediate_states,
-                inplace_final_state,
-                tile,
-            )
-        )
-    return compile_count - before
+    return [_key(H, HV, T, dtype, ab_dtype, gate_dtype, bias_dtype, pool_dtype, index_dtype, use_qk_l2norm,
+                 intermediate_states, inplace_final_state, tile)
+            for tile in sorted(tiles_to_compile(_TL_DTYPES[pool_dtype]))]
+
+
+def missing(H: int, HV: int, T: int = 1, *, dtype=torch.bfloat16, pool_dtype=torch.float32,
+            gate_dtype=torch.float32, bias_dtype=None, ab_dtype=None, index_dtype=torch.int32,
+            use_qk_l2norm: bool = True, intermediate_states: bool = False, inplace_final_state: bool = True
+            ) -> list[str]:
+    """The kernels :func:`warmup` (same arguments) needs that no precompiled library holds."""
+    keys = _warmup_keys(H, HV, T, dtype, pool_dtype, gate_dtype, bias_dtype, ab_dtype, index_dtype,
+                        use_qk_l2norm, intermediate_states, inplace_final_state)
+    return [f"decode {key}" for key in keys if key not in _cache and not library.has("decode", key)]
 
 
 def _flat(x: torch.Tensor, span: int) -> torch.Tensor:
@@ -492,5 +499,6 @@ __all__ = [
     "compiled_kernels",
     "force_tile",
     "gated_delta_rule_decode_fwd",
+    "missing",
     "warmup",
 ]

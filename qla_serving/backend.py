@@ -1,6 +1,8 @@
-"""Which path an op runs: the TileLang kernels or the PyTorch reference.
+"""Which path an op runs: the kernels or the PyTorch reference.
 
-Decided per (op, device, static configuration) and logged once. A configuration the kernels
+The kernels come from a precompiled library (:mod:`qla_serving.kernels.library`, no TileLang
+needed) or, for a configuration no library holds, are compiled by a TileLang of the version they
+are written for. Decided per (op, device, static configuration) and logged once. A configuration the kernels
 do not support falls back to the reference with one warning naming the reason; with
 ``QLA_STRICT=1`` it raises :class:`KernelUnavailable` instead.
 """
@@ -57,7 +59,7 @@ def tilelang_unsupported_reason() -> str | None:
     ``QLA_ALLOW_TILELANG=1`` skips the version comparison (to try another TileLang on purpose).
     """
     if importlib.util.find_spec("tilelang") is None:
-        return "TileLang is not installed (pip install 'qla-serving[gpu]')"
+        return "TileLang is not installed"
     if os.environ.get("QLA_ALLOW_TILELANG") == "1":
         return None
     have = _installed_tilelang()
@@ -77,7 +79,39 @@ def device_unsupported_reason(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"GPU compute capability is {major}.{minor}, the kernels are built for SM90 (Hopper)"
-    return tilelang_unsupported_reason()
+    return kernel_source_unsupported_reason()
+
+
+def kernel_source_unsupported_reason() -> str | None:
+    """Why no kernel at all can be had here (no precompiled library and no TileLang to compile
+    with), or None."""
+    reason = tilelang_unsupported_reason()
+    if reason is None:
+        return None
+    from .kernels import library
+
+    if library.libraries():
+        return None
+    return f"no precompiled kernel library ({library.describe_search_path()}) and {reason}"
+
+
+def missing_kernels_reason(specs) -> str | None:
+    """Why the kernels of these warm-up specs (:func:`qla_serving.warmup.kernel_warmup_specs`)
+    cannot all be had, or None: each is in a precompiled library, or TileLang can compile it."""
+    if tilelang_unsupported_reason() is None:
+        return None
+    import importlib
+
+    missing = []
+    for _, module, _, kwargs in specs:
+        missing += importlib.import_module(module).missing(**kwargs)
+    if not missing:
+        return None
+    from .kernels import library
+
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    return (f"the kernel {missing[0]}{more} is in no precompiled kernel library ({library.describe_search_path()}) "
+            f"and {tilelang_unsupported_reason()}; build them with `qla-serving compile`")
 
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent-state pools the kernels keep

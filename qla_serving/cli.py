@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import pathlib
 import sys
 import time
 from dataclasses import dataclass
@@ -212,21 +213,32 @@ def _cmd_info(args) -> int:
 def _cmd_compile(args) -> int:
     from . import compile as qc
 
-    heads = list(args.heads or [])
-    if args.model_config:
-        try:
-            full = qc.model_heads(args.model_config)
-            heads += [qc.per_rank(full, tp) for tp in args.tp]
-        except (OSError, ValueError) as e:
-            print(f"qla-serving compile: {e}", file=sys.stderr)
-            return 2
-    configs = qc.plan_configs(heads, engine=args.engine, dtypes=args.dtype, states=args.state,
-                              verify_tokens=args.verify_tokens, gate_dtype=args.gate_dtype,
-                              bias_dtype=args.bias_dtype)
-    print(f"qla-serving compile: {len(configs)} configuration(s) for {args.engine}, heads "
-          f"{', '.join(f'{h}/{hv}' for h, hv in dict.fromkeys(heads))}")
-    failed = qc.compile_configs(configs)
-    return 1 if failed else 0
+    if args.shipped:
+        configs = qc.shipped_configs()
+        what = "the shipped set"
+    else:
+        heads = list(args.heads or [])
+        if args.model_config:
+            try:
+                full = qc.model_heads(args.model_config)
+                heads += [qc.per_rank(full, tp) for tp in args.tp]
+            except (OSError, ValueError) as e:
+                print(f"qla-serving compile: {e}", file=sys.stderr)
+                return 2
+        configs = qc.plan_configs(heads, engine=args.engine, dtypes=args.dtype, states=args.state,
+                                  verify_tokens=args.verify_tokens, gate_dtype=args.gate_dtype,
+                                  bias_dtype=args.bias_dtype)
+        what = f"{args.engine}, heads {', '.join(f'{h}/{hv}' for h, hv in dict.fromkeys(heads))}"
+    out = args.out or qc.default_library_dir(args.shipped)
+    print(f"qla-serving compile: {len(configs)} configuration(s) ({what}) into {out}")
+    try:
+        manifest = qc.build(configs, out, jobs=args.jobs)
+    except RuntimeError as e:
+        print(f"qla-serving compile: {e}", file=sys.stderr)
+        return 1
+    size = (pathlib.Path(out) / manifest["library"]).stat().st_size
+    print(f"qla-serving compile: {len(manifest['kernels'])} kernels, {manifest['library']} {size / 2**20:.1f} MiB")
+    return 0
 
 
 def _cmd_bench(args) -> int:
@@ -250,8 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_info)
     p = sub.add_parser(
         "compile", help="build the kernels of given GDN configurations ahead of serving",
-        description="Compile (into TileLang's cache, TILELANG_CACHE_DIR) every kernel a served model needs, "
-                    "so the engine loads instead of compiling at start-up. Needs TileLang and nvcc, not a GPU.")
+        description="Build every kernel a served model needs into a precompiled kernel library that the package "
+                    "loads without TileLang (default directory: the user's cache, which the package searches), "
+                    "so the engine compiles nothing at start-up. Needs TileLang 0.1.15 and nvcc, not a GPU.")
+    p.add_argument("--shipped", action="store_true",
+                   help="the set the wheel ships (kernels/configs.py SHIPPED_CONFIGS), into the package")
+    p.add_argument("--out", help="library directory (replaced)")
+    p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
     p.add_argument("--heads", type=parse_heads, nargs="+", help="GDN heads per rank, Hqk/Hv")
     p.add_argument("--model-config", help="a hybrid Qwen config.json; with --tp, its heads per rank")
     p.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes (with --model-config)")
@@ -279,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_bench)
     args = parser.parse_args(argv)
     if args.cmd == "compile":
-        if not args.heads and not args.model_config:
-            parser.error("compile: give --heads or --model-config")
+        if not args.heads and not args.model_config and not args.shipped:
+            parser.error("compile: give --heads, --model-config or --shipped")
         if any(t < 1 for t in args.tp):
             parser.error(f"compile: --tp {args.tp}: each must be >= 1")
         if any(not 1 <= t <= 8 for t in args.verify_tokens):

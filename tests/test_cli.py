@@ -1,6 +1,7 @@
 """`qla-serving check` runs the ops and compares them with the oracle."""
 
 import pytest
+import torch
 
 from qla_serving import cli
 
@@ -91,22 +92,53 @@ def test_compile_plans_per_rank_heads_from_a_model_config(tmp_path):
     assert qc.plan_configs([(2, 8)], engine="sglang", dtypes=["fp16"], states=["fp32"])[0].prefill_qk_l2norm
 
 
-def test_compile_runs_every_kernel_warmup(monkeypatch, capsys, tmp_path):
+def test_compile_builds_a_library_of_the_planned_configs(monkeypatch, capsys, tmp_path):
     from qla_serving import compile as qc
 
-    calls = []
-    monkeypatch.setattr(qc, "resolve_steps", lambda specs, log=None: [
-        (label, lambda label=label, kw=kw: calls.append((label, kw))) for label, _m, _f, kw in specs])
+    built = []
+
+    def fake_build(configs, out, jobs=None):
+        built.append((configs, out))
+        (tmp_path / "lib.so").write_bytes(b"x" * 2048)
+        return {"library": "lib.so", "kernels": {"a": {}, "b": {}}}
+
+    monkeypatch.setattr(qc, "build", fake_build)
     cfg = tmp_path / "config.json"
     cfg.write_text('{"linear_num_key_heads": 16, "linear_num_value_heads": 32}')
-    assert cli.main(["compile", "--model-config", str(cfg), "--tp", "4", "8", "--state", "bf16"]) == 0
-    assert "2 configuration(s) for vllm, heads 4/8, 2/4" in capsys.readouterr().out
-    assert [label for label, _ in calls] == ["prefill", "decode", "prefill", "decode"]
-    assert calls[0][1]["num_qk_heads"] == 4 and calls[2][1]["num_v_heads"] == 4
+    assert cli.main(["compile", "--model-config", str(cfg), "--tp", "4", "8", "--state", "bf16",
+                     "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"2 configuration(s) (vllm, heads 4/8, 2/4) into {tmp_path}" in out and "2 kernels" in out
+    (configs, where), = built
+    assert where == str(tmp_path) and [(c.num_qk_heads, c.num_v_heads) for c in configs] == [(4, 8), (2, 4)]
+    assert all(c.bias_dtype == torch.bfloat16 and c.gate_dtype == torch.float32 for c in configs)
+
+
+def test_compile_reports_a_failed_build(monkeypatch, capsys):
+    from qla_serving import compile as qc
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("building kernels needs nvcc")
+
+    monkeypatch.setattr(qc, "build", fail)
+    assert cli.main(["compile", "--heads", "2/8", "--out", "/nonexistent"]) == 1
+    assert "qla-serving compile: building kernels needs nvcc" in capsys.readouterr().err
+
+
+def test_shipped_set_covers_released_heads_at_every_tp():
+    from qla_serving import compile as qc
+
+    configs = qc.shipped_configs()
+    full = {(c.num_qk_heads, c.num_v_heads) for c in configs if c.phases == frozenset({"prefill", "decode", "verify"})}
+    assert {(16, 32), (8, 16), (4, 8), (2, 4), (16, 64), (2, 8), (4, 12)} <= full
+    sglang = [c for c in configs if c.prefill_qk_l2norm]
+    assert sglang and all(c.phases == frozenset({"prefill"}) for c in sglang)  # decode is shared with vLLM's
+    assert {c.verify_tokens for c in configs if c.phases == frozenset({"verify"})} == {2, 3, 4}
+    assert {c.dtype for c in configs} == {torch.bfloat16, torch.float16}
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["compile"], "give --heads or --model-config"),
+    (["compile"], "give --heads, --model-config or --shipped"),
     (["compile", "--heads", "2/8", "--verify-tokens", "9"], "each must be in 1..8"),
     (["compile", "--heads", "2/7"], "HV must be a positive multiple of H"),
 ])

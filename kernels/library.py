@@ -1,0 +1,277 @@
+"""Precompiled kernel libraries: the kernels launched without TileLang.
+
+A library is a directory with ``manifest.json`` and one shared object built by
+:mod:`qla_serving.library_build` (TileLang and nvcc at build time only). The shared object holds
+every kernel of its manifest compiled for sm_90a, each with the host code TileLang generates for
+it (TMA descriptors, launch configuration) behind three C functions ``<symbol>_init``,
+``<symbol>_call`` and ``<symbol>_get_last_error``; it links the CUDA runtime statically and
+needs nothing at run time but the NVIDIA driver (``libcuda``, CUDA 13 or newer).
+
+Libraries are searched in order: the directories in ``QLA_KERNEL_LIBRARY`` (``:``-separated),
+the user's (``~/.cache/qla-serving/kernels``, where ``qla-serving compile`` writes), and the one
+shipped inside the package (``qla_serving/kernels/shipped``). A library built from other kernel
+sources than the installed ones (its ``source_digest``) is skipped with one warning: its kernels
+would not be the ones this code describes.
+
+The manifest's key of a kernel is :func:`kernel_key` of its kind (``decode``, ``prep``,
+``chunk_fwd``) and the static configuration the kernel module keys its cache on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import threading
+
+import torch
+
+logger = logging.getLogger("qla_serving")
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+SHIPPED_DIR = pathlib.Path(__file__).with_name("shipped")
+USER_DIR = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "qla-serving" / "kernels"
+# The files whose text decides what the kernels compile to (the builders and the constants they
+# read); with PREFILL_CONFIGS, the one tuning table not in a kernel's key. Any edit to them makes
+# a library stale: rebuild it with the edit.
+SOURCE_FILES = ("chunk_prefill.py", "decode.py", "decode_tiles.py")  # beside this file, and constants.py
+
+# C types of a ``call`` parameter as TileLang's host code declares them -> ctypes.
+_SCALAR_CTYPES = {"int": ctypes.c_int32, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+                  "float": ctypes.c_float, "double": ctypes.c_double, "bool": ctypes.c_bool,
+                  "uint8_t": ctypes.c_uint8, "int8_t": ctypes.c_int8}
+
+
+def kernel_key(kind: str, config) -> str:
+    """The manifest key of kernel ``kind`` for a static configuration (a NamedTuple or a frozen
+    dataclass of ints, strings, bools and nested tuples)."""
+    fields = dataclasses.astuple(config) if dataclasses.is_dataclass(config) else tuple(config)
+    return json.dumps([kind, fields], separators=(",", ":"))
+
+
+def source_digest(files: list[pathlib.Path] | None = None) -> str:
+    """SHA-256 (16 hex digits) of the kernel sources a library is built from."""
+    from .. import constants
+    from .configs import PREFILL_CONFIGS
+
+    if files is None:
+        here = pathlib.Path(__file__).parent
+        files = [here / name for name in SOURCE_FILES] + [pathlib.Path(constants.__file__)]
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(repr(sorted(PREFILL_CONFIGS.items())).encode())
+    return h.hexdigest()[:16]
+
+
+def parse_signature(lib_code: str, entry: str = "call") -> list[tuple[str, str]]:
+    """``(C type, name)`` of each parameter of TileLang's host entry ``entry`` in ``lib_code``,
+    the trailing stream excluded. Pointers have type ``ptr``."""
+    head = f'extern "C" TL_EXPORT int {entry}('
+    start = lib_code.find(head)
+    if start < 0:
+        raise ValueError(f"no `{head}...)` in the generated host code")
+    start += len(head)
+    end = lib_code.find(")", start)
+    params = []
+    for raw in lib_code[start:end].split(","):
+        decl = raw.split("=")[0].strip()
+        if not decl:
+            continue
+        *type_words, name = decl.replace("*", " * ").split()
+        if name == "stream" and "cudaStream_t" in type_words:
+            continue
+        if "*" in type_words:
+            params.append(("ptr", name))
+        else:
+            ctype = " ".join(w for w in type_words if w not in ("const", "__restrict__"))
+            if ctype not in _SCALAR_CTYPES:
+                raise ValueError(f"parameter {name}: C type {ctype!r} has no ctypes equivalent here")
+            params.append((ctype, name))
+    return params
+
+
+class LibraryKernel:
+    """One precompiled kernel, called like the TileLang kernel it was built from: the prim
+    function's parameters in order (tensors, then Python scalars), on the current stream.
+
+    The manifest entry gives the C parameters of ``<symbol>_call``: first the prim function's
+    parameters, then the shape variables TileLang reads from them (``dynamic``: name,
+    parameter index, dimension).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, entry: dict, source: str):
+        self.symbol = entry["symbol"]
+        self.source = source
+        params = entry["params"]
+        self._num_args = entry["num_args"]
+        self._dynamic = [(int(i), int(d)) for _, i, d in entry["dynamic"]]
+        if len(params) != self._num_args + len(self._dynamic):
+            raise ValueError(f"{source}: {self.symbol}: {len(params)} C parameters for {self._num_args} "
+                             f"arguments and {len(self._dynamic)} shape variables")
+        self._ptr = [t == "ptr" for t, _ in params[: self._num_args]]
+        self._call = getattr(lib, f"{self.symbol}_call")
+        self._call.restype = ctypes.c_int
+        self._call.argtypes = [ctypes.c_void_p if t == "ptr" else _SCALAR_CTYPES[t] for t, _ in params] + [
+            ctypes.c_void_p]
+        self._init = getattr(lib, f"{self.symbol}_init")
+        self._init.restype = ctypes.c_int
+        self._error = getattr(lib, f"{self.symbol}_get_last_error")
+        self._error.restype = ctypes.c_char_p
+        self._ready: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _ensure_init(self, device: int) -> None:
+        # init sets the kernels' dynamic shared-memory limits, per device
+        with self._lock:
+            if device in self._ready:
+                return
+            with _on_device(device):
+                if self._init() != 0:
+                    raise RuntimeError(f"{self.source}: {self.symbol} init failed: "
+                                       f"{self._error().decode(errors='replace')}")
+            self._ready.add(device)
+
+    def __call__(self, *args) -> None:
+        if len(args) != self._num_args:
+            raise TypeError(f"{self.symbol}: {len(args)} arguments, the kernel takes {self._num_args}")
+        device = None
+        c_args = []
+        for is_ptr, a in zip(self._ptr, args):
+            if is_ptr:
+                if device is None:
+                    device = a.device.index
+                c_args.append(a.data_ptr())
+            else:
+                c_args.append(a)
+        for i, d in self._dynamic:
+            c_args.append(args[i].shape[d])
+        if device not in self._ready:
+            self._ensure_init(device)
+        c_args.append(_current_stream(device))
+        if self._call(*c_args) != 0:
+            raise RuntimeError(f"{self.symbol}: launch failed: {self._error().decode(errors='replace')}")
+
+
+def _on_device(device: int):
+    return torch.cuda.device(device)
+
+
+def _current_stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+@dataclasses.dataclass
+class Library:
+    path: pathlib.Path
+    manifest: dict
+    lib: ctypes.CDLL | None = None
+
+    def kernel(self, key: str) -> LibraryKernel | None:
+        entry = self.manifest["kernels"].get(key)
+        if entry is None:
+            return None
+        if self.lib is None:
+            self.lib = ctypes.CDLL(str(self.path / self.manifest["library"]))
+        return LibraryKernel(self.lib, entry, str(self.path))
+
+
+_libraries: list[Library] | None = None
+_lock = threading.Lock()
+
+
+def search_path() -> list[pathlib.Path]:
+    """The directories searched for libraries, in order."""
+    extra = [pathlib.Path(p) for p in os.environ.get("QLA_KERNEL_LIBRARY", "").split(os.pathsep) if p]
+    return [*extra, USER_DIR, SHIPPED_DIR]
+
+
+def _read(path: pathlib.Path, digest: str) -> Library | None:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("qla-serving: kernel library %s unreadable (%s); skipped", path, e)
+        return None
+    if manifest.get("format") != FORMAT:
+        logger.warning("qla-serving: kernel library %s has format %s, this version reads %s; skipped",
+                       path, manifest.get("format"), FORMAT)
+        return None
+    if manifest.get("source_digest") != digest:
+        logger.warning("qla-serving: kernel library %s was built from other kernel sources (digest %s, "
+                       "installed %s); skipped. Rebuild it with `qla-serving compile`",
+                       path, manifest.get("source_digest"), digest)
+        return None
+    if not (path / manifest.get("library", "")).is_file():
+        logger.warning("qla-serving: kernel library %s: %s is missing; skipped", path, manifest.get("library"))
+        return None
+    return Library(path, manifest)
+
+
+def libraries() -> list[Library]:
+    """The usable libraries on :func:`search_path` (read once per process)."""
+    global _libraries
+    if _libraries is None:
+        with _lock:
+            if _libraries is None:
+                digest = source_digest()
+                found = [lib for p in dict.fromkeys(search_path()) if (lib := _read(p, digest)) is not None]
+                _libraries = found
+    return _libraries
+
+
+def reset() -> None:
+    """Forget the libraries read so far (tests, or after ``qla-serving compile`` in-process)."""
+    global _libraries
+    with _lock:
+        _libraries = None
+
+
+def lookup(kind: str, config) -> LibraryKernel | None:
+    """The precompiled kernel ``kind`` of ``config`` from the first library holding it, or None."""
+    if os.environ.get("QLA_KERNEL_LIBRARY_OFF") == "1":
+        return None
+    key = kernel_key(kind, config)
+    for lib in libraries():
+        kernel = lib.kernel(key)
+        if kernel is not None:
+            return kernel
+    return None
+
+
+def tilelang_for(what: str):
+    """TileLang, to compile ``what`` (a kernel no library holds); raises
+    :class:`~qla_serving.backend.KernelUnavailable` naming why when it cannot."""
+    from ..backend import KernelUnavailable, tilelang_unsupported_reason
+
+    reason = tilelang_unsupported_reason()
+    if reason is not None:
+        raise KernelUnavailable(f"qla-serving: the {what} is in no precompiled kernel library "
+                                f"({describe_search_path()}) and cannot be compiled: {reason}")
+    import tilelang
+
+    return tilelang
+
+
+def describe_search_path() -> str:
+    """The library search path for messages: each directory, and whether a usable library is there."""
+    usable = {lib.path for lib in libraries()}
+    return ", ".join(f"{p}{'' if p in usable else ' (none)'}" for p in dict.fromkeys(search_path()))
+
+
+def has(kind: str, config) -> bool:
+    """Whether a library holds kernel ``kind`` of ``config`` (loads nothing)."""
+    if os.environ.get("QLA_KERNEL_LIBRARY_OFF") == "1":
+        return False
+    key = kernel_key(kind, config)
+    return any(key in lib.manifest["kernels"] for lib in libraries())
+
+
+__all__ = ["FORMAT", "LibraryKernel", "describe_search_path", "has", "kernel_key", "libraries", "lookup", "parse_signature",
+           "reset", "search_path", "source_digest", "tilelang_for"]

@@ -1,0 +1,315 @@
+"""Precompiled kernel libraries (qla_serving.kernels.library): manifests, lookup, the ctypes
+calls, the choice between a library, TileLang and the fallback; on a GPU, the library's kernels
+bit-identical to TileLang's JIT-built ones.
+
+The CPU cases call a real shared object built here with the C compiler, with the entry points a
+library's kernels have, and read back what it received.
+"""
+
+import ctypes
+import json
+import logging
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from qla_serving import backend
+from qla_serving.kernels import chunk_prefill, decode, library
+from qla_serving.kernels.decode_tiles import DecodeTile
+
+# The entry point TileLang generates for the decode kernel (its parameters verbatim).
+DECODE_SIGNATURE = (
+    'extern "C" TL_EXPORT int call(bfloat16_t* __restrict__ q, bfloat16_t* __restrict__ k, '
+    "bfloat16_t* __restrict__ v, bfloat16_t* __restrict__ a, bfloat16_t* __restrict__ b, "
+    "float* __restrict__ A_log, float* __restrict__ dt_bias, float* __restrict__ pool, "
+    "int* __restrict__ state_indices, bfloat16_t* __restrict__ o, float* __restrict__ inter, "
+    "int64_t slot_stride_vec, float scale, int N, int pool_len, int inter_len, "
+    "cudaStream_t stream=cudaStreamDefault) {"
+)
+
+RECORDER_C = r"""
+#include <stdint.h>
+#include <string.h>
+static char err[64];
+int64_t got[8]; float got_scale; int inits;
+const char* k_get_last_error(void) { return err; }
+int k_init(void) { inits++; return 0; }
+int k_call(void* x, void* y, int64_t stride, float scale, int n, int len, void* stream) {
+  if (n < 0) { strcpy(err, "negative n"); return -1; }
+  got[0] = (int64_t)x; got[1] = (int64_t)y; got[2] = stride; got[3] = n; got[4] = len;
+  got[5] = (int64_t)stream; got_scale = scale; return 0;
+}
+"""
+
+
+def test_parse_signature_reads_tilelang_host_entry():
+    params = library.parse_signature(DECODE_SIGNATURE)
+    assert [n for _, n in params][:3] == ["q", "k", "v"] and len(params) == 16
+    assert params[10] == ("ptr", "inter") and params[11] == ("int64_t", "slot_stride_vec")
+    assert params[12] == ("float", "scale") and params[13:] == [("int", "N"), ("int", "pool_len"), ("int", "inter_len")]
+    with pytest.raises(ValueError, match="no `extern"):
+        library.parse_signature("int main() {}")
+    with pytest.raises(ValueError, match="C type 'half'"):
+        library.parse_signature('extern "C" TL_EXPORT int call(half x, cudaStream_t stream) {')
+
+
+def test_kernel_key_is_stable_for_both_config_kinds():
+    dkey = decode._key(2, 8, 1, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32,
+                       torch.int32, True, False, True, DecodeTile.parse("16x64s"))
+    assert json.loads(library.kernel_key("decode", dkey)) == [
+        "decode", [2, 8, 1, "bfloat16", "bfloat16", "float32", "bfloat16", "float32", "int32", True, False, True,
+                   [16, 64, 8, 0, True]]]
+    pcfg = chunk_prefill.PrefillStaticConfig(2, 8, "bfloat16", "float32", "float32", False)
+    assert json.loads(library.kernel_key("prep", pcfg)) == ["prep", [2, 8, "bfloat16", "float32", "float32", False]]
+
+
+@pytest.fixture
+def recorder(tmp_path, monkeypatch):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path / "librec.so"
+    (tmp_path / "rec.c").write_text(RECORDER_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), str(tmp_path / "rec.c")], check=True)
+    monkeypatch.setattr(library, "_on_device", lambda device: _Null())
+    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
+    lib = ctypes.CDLL(str(so))
+    entry = dict(symbol="k", num_args=4,
+                 params=[["ptr", "x"], ["ptr", "y"], ["int64_t", "stride"], ["float", "scale"], ["int", "n"],
+                         ["int", "len"]],
+                 dynamic=[["n", 0, 0], ["len", 1, 1]])
+    return lib, entry
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_library_kernel_passes_pointers_scalars_shapes_and_stream(recorder):
+    lib, entry = recorder
+    kernel = library.LibraryKernel(lib, entry, "test")
+    x, y = torch.zeros(5, 3), torch.zeros(2, 7)
+    kernel(x, y, 12, 0.25)
+    kernel(x, y, 12, 0.25)
+    got = (ctypes.c_int64 * 8).in_dll(lib, "got")
+    assert list(got[:6]) == [x.data_ptr(), y.data_ptr(), 12, 5, 7, 0x5EED]
+    assert ctypes.c_float.in_dll(lib, "got_scale").value == 0.25
+    assert ctypes.c_int.in_dll(lib, "inits").value == 1  # once per device
+    with pytest.raises(TypeError, match="3 arguments, the kernel takes 4"):
+        kernel(x, y, 12)
+
+
+def test_library_kernel_reports_the_host_codes_error(recorder):
+    lib, entry = recorder
+    # n as a scalar argument this time, so that the test can make it negative
+    kernel = library.LibraryKernel(lib, dict(entry, num_args=5, dynamic=[["len", 1, 1]]), "test")
+    with pytest.raises(RuntimeError, match="k: launch failed: negative n"):
+        kernel(torch.zeros(1), torch.zeros(2, 2), 1, 1.0, -1)
+
+
+def test_manifest_parameter_count_must_match(recorder):
+    lib, entry = recorder
+    with pytest.raises(ValueError, match="6 C parameters for 4 arguments and 1 shape variables"):
+        library.LibraryKernel(lib, dict(entry, dynamic=[["n", 0, 0]]), "test")
+
+
+def _write_library(path, kernels, digest=None, fmt=library.FORMAT):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "lib.so").write_bytes(b"")
+    (path / library.MANIFEST).write_text(json.dumps(dict(
+        format=fmt, library="lib.so", source_digest=digest or library.source_digest(), kernels=kernels)))
+
+
+@pytest.fixture
+def search(tmp_path, monkeypatch):
+    monkeypatch.setattr(library, "USER_DIR", tmp_path / "user")
+    monkeypatch.setattr(library, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.delenv("QLA_KERNEL_LIBRARY_OFF", raising=False)
+    monkeypatch.setenv("QLA_KERNEL_LIBRARY", str(tmp_path / "extra"))
+    library.reset()
+    yield tmp_path
+    library.reset()
+
+
+PCFG = chunk_prefill.PrefillStaticConfig(2, 8, "bfloat16", "float32", "float32", False)
+
+
+def test_search_order_and_stale_libraries(search, caplog):
+    key = library.kernel_key("prep", PCFG)
+    _write_library(search / "shipped", {key: {}})
+    _write_library(search / "user", {}, digest="0" * 16)
+    _write_library(search / "extra", {}, fmt=99)
+    assert library.search_path() == [search / "extra", search / "user", search / "shipped"]
+    with caplog.at_level(logging.WARNING, logger="qla_serving"):
+        libs = library.libraries()
+    assert [lib.path for lib in libs] == [search / "shipped"]
+    assert "was built from other kernel sources" in caplog.text and "format 99" in caplog.text
+    assert library.has("prep", PCFG) and not library.has("chunk_fwd", PCFG)
+    assert "(none)" in library.describe_search_path() and str(search / "shipped") in library.describe_search_path()
+
+
+def test_source_digest_follows_the_kernel_sources(tmp_path):
+    files = [tmp_path / name for name in (*library.SOURCE_FILES, "constants.py")]
+    for f in files:
+        f.write_text(f"# {f.name}\n")
+    before = library.source_digest(files)
+    assert library.source_digest(files) == before
+    files[1].write_text("# decode.py, edited\n")
+    assert library.source_digest(files) != before
+    assert library.source_digest() == library.source_digest()  # the installed sources
+
+
+def test_missing_kernels_need_tilelang_or_fall_back(search, monkeypatch):
+    from qla_serving.warmup import WarmupConfig, kernel_warmup_specs
+
+    cfg = WarmupConfig(2, 8, torch.bfloat16, torch.float32, bias_dtype=torch.bfloat16, prefill_qk_l2norm=False)
+    specs = kernel_warmup_specs(cfg)
+    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: None)
+    assert backend.missing_kernels_reason(specs) is None  # TileLang compiles what no library holds
+    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: "TileLang is not installed")
+    reason = backend.missing_kernels_reason(specs)
+    assert "is in no precompiled kernel library" in reason and "TileLang is not installed" in reason
+    assert "qla-serving compile" in reason
+    decode_keys = decode._warmup_keys(2, 8, 1, torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, None,
+                                      torch.int32, True, False, True)
+    _write_library(search / "shipped", {library.kernel_key(kind, PCFG): {} for kind in ("prep", "chunk_fwd")}
+                   | {library.kernel_key("decode", k): {} for k in decode_keys})
+    library.reset()
+    assert backend.missing_kernels_reason(specs) is None
+
+
+def test_no_library_and_no_tilelang_names_the_configuration(search, monkeypatch):
+    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: "TileLang 0.1.9 is installed but ...")
+    monkeypatch.setattr(decode, "_cache", {})
+    key = decode._key(2, 8, 1, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32,
+                      torch.int32, True, False, True, DecodeTile.parse("16x128"))
+    with pytest.raises(backend.KernelUnavailable, match=r"decode kernel .*num_qk_heads=2.* TileLang 0\.1\.9"):
+        decode._get_kernel(key)
+    assert backend.kernel_source_unsupported_reason().startswith("no precompiled kernel library")
+
+
+def test_a_library_kernel_is_used_without_compiling(search, monkeypatch):
+    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: "TileLang is not installed")
+    monkeypatch.setattr(chunk_prefill, "_kernels", {})
+    sentinel = object()
+    monkeypatch.setattr(library, "lookup", lambda kind, cfg: (kind, sentinel))
+    before = chunk_prefill.compile_count()
+    assert chunk_prefill._kernel_set(PCFG) == (("prep", sentinel), ("chunk_fwd", sentinel))
+    assert chunk_prefill.compile_count() == before
+
+
+def test_object_command_keeps_tilelangs_flags():
+    from qla_serving.library_build import _object_command
+
+    tl = ["nvcc", "-std=c++20", "-w", "-lineinfo", "--shared", "/tmp/x.cu", "-L/usr/local/lib", "-lcuda",
+          "-gencode", "arch=compute_90a,code=sm_90a", "--compiler-options", "-fPIC", "--use_fast_math", "-I/inc",
+          "-ftz=true", "-o", "/tmp/x.so"]
+    assert _object_command(tl, "/w/k.cu", "/w/k.o") == [
+        "nvcc", "-std=c++20", "-w", "-lineinfo", "-gencode", "arch=compute_90a,code=sm_90a", "--compiler-options",
+        "-fPIC", "--use_fast_math", "-I/inc", "-ftz=true", "-c", "/w/k.cu", "-o", "/w/k.o"]
+
+
+# ------------------------------------------------------------------ GPU: library == JIT
+
+
+def _library_or_skip():
+    libs = library.libraries()
+    if not libs:
+        pytest.skip(f"no precompiled kernel library ({library.describe_search_path()})")
+    return libs
+
+
+def _library_keys(kind, limit):
+    keys = []
+    for lib in _library_or_skip():
+        keys += [json.loads(k)[1] for k in lib.manifest["kernels"] if json.loads(k)[0] == kind]
+    # a spread over the library: every head count and dtype appears in the first few
+    keys.sort(key=lambda f: (f[1] != 32, f[0] != 16, str(f)))
+    return keys[:limit]
+
+
+@pytest.mark.gpu
+def test_library_decode_kernels_match_jit_bit_for_bit():
+    from test_decode_kernel import make_inputs
+
+    checked = 0
+    for fields in _library_keys("decode", 12):
+        key = decode.DecodeStaticConfig(*fields[:-1], DecodeTile(*fields[-1]))
+        H, HV, T = key.num_qk_heads, key.num_v_heads, key.tokens
+        act = getattr(torch, key.q_dtype)
+        pool_dtype = getattr(torch, key.pool_dtype)
+        N = 3 if key.tile == decode._tile_for(3 * HV, pool_dtype) else max(4, 256 // HV + 1)
+        q, k, v, a, b, A_log, dt_bias = make_inputs(N, T, H, HV, act, getattr(torch, key.alog_dtype))
+        dt_bias = dt_bias.to(getattr(torch, key.bias_dtype))
+        a, b = a.to(getattr(torch, key.ab_dtype)), b.to(getattr(torch, key.ab_dtype))
+        pool0 = torch.randn(N + 2, HV, 128, 128, device="cuda").to(pool_dtype)
+        idx = torch.randperm(N + 2, device="cuda")[:N].to(getattr(torch, key.idx_dtype))
+        results = []
+        for kernel in (library.lookup("decode", key), _compile_decode(key)):
+            pool = pool0.clone()
+            out = torch.empty(N, T, HV, 128, device="cuda", dtype=act)
+            inter = torch.zeros(N, T, HV, 128, 128, device="cuda", dtype=pool_dtype) if key.has_inter else None
+            saved = decode._cache.get(key)
+            decode._cache[key] = kernel
+            try:
+                with decode.force_tile(key.tile):
+                    decode.gated_delta_rule_decode_fwd(q, k, v, a, b, A_log, dt_bias, state_pool=pool,
+                                                       state_indices=idx, scale=128**-0.5,
+                                                       use_qk_l2norm=key.use_l2, out=out, intermediate_states=inter,
+                                                       inplace_final_state=key.inplace)
+            finally:
+                decode._cache.pop(key)
+                if saved is not None:
+                    decode._cache[key] = saved
+            results.append((out, pool, inter))
+        (o1, p1, i1), (o2, p2, i2) = results
+        assert torch.equal(o1, o2) and torch.equal(p1, p2), f"decode {key}: library and JIT differ"
+        assert i1 is None or torch.equal(i1, i2)
+        checked += 1
+    assert checked
+
+
+def _compile_decode(key):
+    import tilelang
+
+    return tilelang.compile(decode._build(key), target={"kind": "cuda", "arch": "sm_90a"},
+                            pass_configs={"tl.disable_safe_memory_legalize": True})
+
+
+@pytest.mark.gpu
+def test_library_prefill_kernels_match_jit_bit_for_bit():
+    import tilelang
+    from test_prefill_kernel import _make_case, _run
+
+    checked = 0
+    for fields in _library_keys("prep", 6):
+        cfg = chunk_prefill.PrefillStaticConfig(*fields)
+        lib_set = (library.lookup("prep", cfg), library.lookup("chunk_fwd", cfg))
+        if None in lib_set:
+            continue
+        jit_set = chunk_prefill._compile_set(cfg, tilelang)
+        case = _make_case([700, 3, 129, 64], cfg.num_qk_heads, cfg.num_v_heads, dtype=getattr(torch, cfg.dtype),
+                          beta_dtype=getattr(torch, cfg.beta_dtype), pool_dtype=getattr(torch, cfg.pool_dtype),
+                          l2=cfg.use_qk_l2norm)
+        pool0 = case["pool"].clone()
+        outs = []
+        for kernels in (lib_set, jit_set):
+            case["pool"].copy_(pool0)
+            saved = chunk_prefill._kernels.get(cfg)
+            chunk_prefill._kernels[cfg] = kernels
+            try:
+                outs.append((_run(case), case["pool"].clone()))
+            finally:
+                chunk_prefill._kernels.pop(cfg)
+                if saved is not None:
+                    chunk_prefill._kernels[cfg] = saved
+        (o1, p1), (o2, p2) = outs
+        assert torch.equal(o1, o2) and torch.equal(p1, p2), f"prefill {cfg}: library and JIT differ"
+        checked += 1
+    assert checked
