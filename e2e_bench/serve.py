@@ -181,8 +181,7 @@ def server_command(s: Setup, backend: str, extra: list[str] = ()) -> list[str]:
         if s.multimodal:
             cmd.append("--language-model-only")
         if s.tp > 1:
-            # vLLM's CUSTOM all-reduce died with an illegal memory access on the lent multi-GPU
-            # machines (docs/e2e.md); NCCL's all-reduce is the same for every backend.
+            # the same all-reduce for every backend (NCCL); docs/e2e.md, "Tensor parallelism"
             cmd.append("--disable-custom-all-reduce")
         if backend == "flashqla":
             cmd += ["--linear-attn-backend", "flashqla"]
@@ -410,8 +409,12 @@ class Server:
             stop(self.proc)
 
 
-def backend_env(backend: str) -> dict:
+def backend_env(backend: str, tp: int = 1) -> dict:
     env = dict(os.environ)
+    if tp > 1:
+        # FlashInfer's mnnvl all-reduce fusion needs NVLink multicast, which the lent machines keep
+        # off: it faults in vLLM's profiling run (docs/e2e.md, "Tensor parallelism")
+        env.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
     env["QLA_BENCH_GDN_GATES"] = "1"  # SGLang's dummy weights with gates that remember (vLLM: qla_dummy)
     if backend == "flashqla":
         env["QLA_STRICT"] = "1"  # a fallback is an error: the row is ours or absent
@@ -423,7 +426,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
     """Start one server, measure every point, stop it. Returns (rows, info)."""
     logf = work / f"server-{backend}.log"
     cmd = server_command(s, backend, args.server_arg + profiler_args(s, args, work / f"trace-{backend}"))
-    env = backend_env(backend)
+    env = backend_env(backend, s.tp)
     log(f"start {s.engine} {backend} tp{s.tp}: {shlex.join(cmd)}")
     server = Server(cmd, env, logf, s.port)
     proc = None

@@ -296,7 +296,7 @@ def plan_key(plan: dict) -> str:
 
 
 def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Path, model_type: str) -> list[dict]:
-    env = serve.backend_env(backend)
+    env = serve.backend_env(backend, s.tp)
     rows = []
     everything = [r for reqs in plan.values() for r in reqs if not r.get("abort")]
 

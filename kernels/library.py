@@ -183,6 +183,7 @@ class Library:
 
 _libraries: list[Library] | None = None
 _lock = threading.Lock()
+loaded = 0  # kernels this process took from a library
 
 
 def search_path() -> list[pathlib.Path]:
@@ -208,10 +209,23 @@ def _read(path: pathlib.Path, digest: str) -> Library | None:
                        "installed %s); skipped. Rebuild it with `qla-serving compile`",
                        path, manifest.get("source_digest"), digest)
         return None
+    need, have = manifest.get("min_driver"), _driver_version()
+    if need and have is not None and have < need:
+        logger.warning("qla-serving: kernel library %s needs a driver for CUDA %d.%d, this one supports %d.%d; skipped",
+                       path, need // 1000, need % 1000 // 10, have // 1000, have % 1000 // 10)
+        return None
     if not (path / manifest.get("library", "")).is_file():
         logger.warning("qla-serving: kernel library %s: %s is missing; skipped", path, manifest.get("library"))
         return None
     return Library(path, manifest)
+
+
+def _driver_version() -> int | None:
+    """The CUDA version the driver supports (e.g. 13000), or None without a driver."""
+    try:
+        return int(torch._C._cuda_getDriverVersion()) if torch.cuda.is_available() else None
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def libraries() -> list[Library]:
@@ -237,10 +251,12 @@ def lookup(kind: str, config) -> LibraryKernel | None:
     """The precompiled kernel ``kind`` of ``config`` from the first library holding it, or None."""
     if os.environ.get("QLA_KERNEL_LIBRARY_OFF") == "1":
         return None
+    global loaded
     key = kernel_key(kind, config)
     for lib in libraries():
         kernel = lib.kernel(key)
         if kernel is not None:
+            loaded += 1
             return kernel
     return None
 

@@ -177,6 +177,14 @@ def _versions() -> dict:
             "torch": torch.__version__, "python": sys.version.split()[0]}
 
 
+def _min_driver(nvcc_line: str) -> int:
+    """The driver's CUDA version the statically linked runtime of this nvcc needs (13.0 -> 13000)."""
+    import re
+
+    m = re.search(r"cuda_(\d+)\.(\d+)", nvcc_line) or re.search(r"release (\d+)\.(\d+)", nvcc_line)
+    return int(m.group(1)) * 1000 + int(m.group(2)) * 10 if m else 0
+
+
 def build_library(configs: list[WarmupConfig], out_dir: str | os.PathLike, *, jobs: int | None = None,
                   progress: bool = True) -> dict:
     """Build every kernel ``configs`` need into a library at ``out_dir`` (replaced if present).
@@ -238,7 +246,8 @@ def build_library(configs: list[WarmupConfig], out_dir: str | os.PathLike, *, jo
             "format": library.FORMAT, "arch": "sm_90a", "library": LIBRARY_NAME,
             "source_digest": library.source_digest(),
             "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "built_with": _versions(),
+            "built_with": (versions := _versions()),
+            "min_driver": _min_driver(versions["nvcc"]),
             "configs": [_describe(c) for c in configs],
             "kernels": kernels,
         }

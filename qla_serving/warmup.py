@@ -115,6 +115,7 @@ def run_warmup(steps: list[tuple[str, Callable]], *, desc: str = "qla-serving: c
     bar = tqdm(total=len(steps), desc=desc, unit="step") if tqdm else None
     failed = 0
     start = time.perf_counter()
+    counts = kernel_counts()
     for label, fn in steps:
         if bar is not None:
             bar.set_postfix_str(label)
@@ -130,9 +131,21 @@ def run_warmup(steps: list[tuple[str, Callable]], *, desc: str = "qla-serving: c
             bar.update(1)
     if bar is not None:
         bar.close()
-    log.info("qla-serving: %d of %d warm-up steps done in %.1f s", len(steps) - failed, len(steps),
-             time.perf_counter() - start)
+    after = kernel_counts()
+    log.info("qla-serving: %d of %d warm-up steps done in %.1f s: %d kernels from precompiled libraries, "
+             "%d compiled with TileLang", len(steps) - failed, len(steps), time.perf_counter() - start,
+             after[0] - counts[0], after[1] - counts[1])
     return failed
+
+
+def kernel_counts() -> tuple[int, int]:
+    """(kernels taken from precompiled libraries, kernels compiled with TileLang) in this process."""
+    try:
+        from .kernels import chunk_prefill, decode, library
+    except ImportError:  # a checkout without the kernels package mapped: nothing was loaded
+        return 0, 0
+    # a prefill configuration is two kernels
+    return library.loaded, decode.compiled_kernels() + 2 * chunk_prefill.compile_count()
 
 
 def warm_up(cfg: WarmupConfig, log: logging.Logger = logger) -> int:

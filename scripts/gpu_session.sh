@@ -14,6 +14,8 @@
 # clients' logs of every run in /tmp go back as $OUT/serve-logs.tar.xz).
 # stress (the reliability harness, e2e_bench/stress.py, arguments in QLA_STRESS_ARGS; logs back as
 # $OUT/stress-logs.tar.xz).
+# install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
+# as $OUT/install-logs.tar.xz).
 # Extra pytest arguments: QLA_PYTEST_ARGS="-k decode".
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -55,6 +57,10 @@ for step in "$@"; do
         tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
+    install)
+      ( python3 -m e2e_bench.install ${QLA_INSTALL_ARGS:-} --out-dir "$OUT"
+        rc=$?; tar -C /tmp -cJf "$OUT/install-logs.tar.xz" $(cd /tmp && ls -d qla-install/server-*.log 2>/dev/null); exit $rc
+      ) 2>&1 | tee "$OUT/install.log" | tail -40 ;;
     stress)
       ( rc=0
         python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --out-dir "$OUT" || rc=$?

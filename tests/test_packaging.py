@@ -44,8 +44,15 @@ def test_console_script_is_installed():
     assert out.returncode == 0 and "check" in out.stdout
 
 
-def test_gpu_extra_pins_the_tilelang_the_kernels_check_for():
+def test_compile_extra_pins_the_tilelang_the_kernels_check_for():
     from qla_serving.backend import TILELANG_VERSION
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert f"tilelang=={TILELANG_VERSION}" in extras["gpu"]
+    assert f"tilelang=={TILELANG_VERSION}" in extras["compile"]
+    # serving installs keep the engines' own TileLang: no extra an engine is installed with pins one
+    assert not any("tilelang" in req for name in ("vllm", "sglang") for req in extras[name])
+
+
+def test_shipped_library_is_package_data():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert set(data["qla_serving.kernels"]) == {"shipped/*.so", "shipped/manifest.json"}

@@ -1,0 +1,166 @@
+"""The install proof: an engine with the TileLang it pins serves ``flashqla`` from the precompiled
+kernel library, compiling nothing, and starts as fast as with its default backend.
+
+For each backend and run (``cold``: TileLang's, Triton's, FlashInfer's and vLLM's compile caches
+emptied first; ``warm``: a restart with what the cold run left), one real ``vllm serve`` of the
+serving benchmark's model (``e2e_bench.serve``: same command line, dummy weights, ``flashqla``
+under ``QLA_STRICT=1``) is timed from spawn to ``/health``, then one long request (greedy, token
+ids in) is sent twice: the first on the fresh engine, the second on the warm one. Kernel compiles
+are counted from the server's log: qla-serving's warm-up line (kernels from the library, kernels
+compiled with TileLang) and TileLang's own compile lines.
+
+    python -m e2e_bench.install --backends flashqla default --runs cold warm --out-dir DIR
+
+Rows of separate calls add up in ``--work-dir`` (one or two servers per 10-minute call);
+``e2e_bench/results/<date>-<gpu>-install.{json,md}`` is written from all rows there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+import sys
+import time
+
+from . import serve
+
+CACHES = ("~/.cache/vllm/torch_compile_cache", "~/.triton/cache", "~/.cache/flashinfer", "~/.cache/tvm-ffi")
+LIBRARY_LINE = re.compile(r"warm-up steps done in [\d.]+ s: (\d+) kernels from precompiled libraries, (\d+) compiled with TileLang")
+TILELANG_COMPILE_LINE = re.compile(r"TileLang begins to compile kernel")
+
+
+def empty_caches(tilelang_cache: pathlib.Path) -> list[str]:
+    """Remove the compile caches a cold start must not find; returns what was there."""
+    removed = []
+    for path in [tilelang_cache, *(pathlib.Path(os.path.expanduser(p)) for p in CACHES)]:
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+def count_compiles(log_text: str) -> dict:
+    library = compiled = 0
+    for m in LIBRARY_LINE.finditer(log_text):
+        library += int(m.group(1))
+        compiled += int(m.group(2))
+    return {"library_kernels": library, "qla_tilelang_compiles": compiled,
+            "tilelang_compile_lines": len(TILELANG_COMPILE_LINE.findall(log_text))}
+
+
+def timed_request(s: serve.Setup, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    t0 = time.perf_counter()
+    out = serve.greedy_tokens(s, [prompt], max_tokens)
+    return time.perf_counter() - t0, out[0]
+
+
+def run_one(s: serve.Setup, backend: str, run: str, work: pathlib.Path, prompt: list[int], max_tokens: int,
+            timeout: float) -> dict:
+    tilelang_cache = work / "tilelang-cache"
+    env = serve.backend_env(backend)
+    env["TILELANG_CACHE_DIR"] = str(tilelang_cache)
+    removed = empty_caches(tilelang_cache) if run == "cold" else []
+    log_path = work / f"server-{backend}-{run}.log"
+    server = serve.Server(serve.server_command(s, backend), env, log_path, s.port)
+    serve.log(f"start {backend} ({run}): {' '.join(server.cmd)}")
+    row = {"backend": backend, "run": run, "caches_emptied": removed}
+    try:
+        ok = server.start(timeout)
+        row["startup_s"] = round(time.monotonic() - server.started, 1)
+        if not ok:
+            row["error"] = "server did not start"
+            serve.log(f"FAILED start {backend} ({run}); log tail:\n{serve.tail(log_path)}")
+            return row
+        first_s, first = timed_request(s, prompt, max_tokens)
+        second_s, second = timed_request(s, prompt, max_tokens)
+        row.update(first_request_s=round(first_s, 3), warm_request_s=round(second_s, 3),
+                   first_over_warm=round(first_s / second_s, 3), same_tokens=first == second)
+        text = server.log_text()
+        row.update(count_compiles(text))
+        if backend == "default":
+            row["resolved"] = serve.resolve_default(s.engine, text)
+        serve.log(f"{backend} ({run}): start {row['startup_s']} s, first request {first_s:.2f} s, "
+                  f"warm {second_s:.2f} s, {row['library_kernels']} library kernels, "
+                  f"{row['qla_tilelang_compiles']} qla TileLang compiles, {row['tilelang_compile_lines']} TileLang compile lines")
+    finally:
+        server.stop()
+    return row
+
+
+def library_info() -> dict:
+    try:
+        from qla_serving.kernels import library
+    except ImportError as e:
+        return {"error": str(e)}
+    libs = library.libraries()
+    return {"search_path": [str(p) for p in library.search_path()],
+            "libraries": [{"path": str(lib.path), "kernels": len(lib.manifest["kernels"]),
+                           "size_mib": round((lib.path / lib.manifest["library"]).stat().st_size / 2**20, 1),
+                           "built_with": lib.manifest.get("built_with")} for lib in libs]}
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [f"# Install proof: {meta['engine']} with the TileLang it pins, on {meta['gpu']}", "",
+             f"- versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
+             f"- kernel library: {json.dumps(meta['library'])}",
+             f"- model: {meta['model']} ({meta['layers']} layers), request: {meta['prompt_len']} prompt tokens, "
+             f"{meta['max_tokens']} out", f"- command: `{meta['command']}`", "",
+             "| backend | run | start-up s | first request s | same request, warm s | first / warm | "
+             "library kernels | qla TileLang compiles | TileLang compile lines |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = r["backend"] + (f" ({r['resolved']})" if r.get("resolved") else "")
+        lines.append(f"| {name} | {r['run']} | {r.get('startup_s')} | {r.get('first_request_s', r.get('error'))} | "
+                     f"{r.get('warm_request_s')} | {r.get('first_over_warm')} | {r.get('library_kernels')} | "
+                     f"{r.get('qla_tilelang_compiles')} | {r.get('tilelang_compile_lines')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=["vllm"], default="vllm")
+    p.add_argument("--model", default="qwen3-next-80b-a3b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--backends", nargs="+", default=["flashqla", "default"])
+    p.add_argument("--runs", nargs="+", choices=["cold", "warm"], default=["cold", "warm"])
+    p.add_argument("--prompt-len", type=int, default=8192)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--start-timeout", type=float, default=420)
+    p.add_argument("--work-dir", default="/tmp/qla-install")
+    p.add_argument("--out-dir", default="e2e_bench/results")
+    args = p.parse_args(argv)
+    work = pathlib.Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    max_len = args.prompt_len + 2 * args.max_tokens + 64
+    model_dir = work / "model"
+    if not (model_dir / "config.json").is_file():
+        serve.write_model(serve.model_spec(args.model), args.layers, max_len, model_dir)
+    s = serve.Setup(engine=args.engine, model_dir=str(model_dir), tp=1, max_len=max_len)
+    prompt = [random.Random(0).randrange(10, serve.TOKENIZER_WORDS - 10) for _ in range(args.prompt_len)]
+    for backend in args.backends:
+        for run in args.runs:
+            row = run_one(s, backend, run, work, prompt, args.max_tokens, args.start_timeout)
+            (work / f"row-{backend}-{run}.json").write_text(json.dumps(row))
+    rows = [json.loads(f.read_text()) for f in sorted(work.glob("row-*.json"))]
+    rows.sort(key=lambda r: (r["backend"] != "flashqla", r["backend"], r["run"] != "cold"))
+    meta = {"engine": args.engine, "gpu": serve.gpu_name(), "versions": serve.versions(args.engine),
+            "library": library_info(), "model": args.model, "layers": args.layers, "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens, "date": _dt.date.today().isoformat(),
+            "command": "python -m e2e_bench.install " + " ".join(sys.argv[1:] if argv is None else argv)}
+    out = pathlib.Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{meta['date']}-{serve.slug(meta['gpu'])}-install"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(meta, rows))
+    print(markdown(meta, rows))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
