@@ -552,8 +552,8 @@ def restore_triton(dispatcher, reason: str) -> None:
 def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_runner) -> str | None:
     """Decide, once per model runner, whether our kernels run; compile them if they do.
 
-    Unsupported configurations (not an SM90 GPU, TileLang missing, head dims other than 128,
-    fp32 activations) put SGLang's triton kernel back in our phases with one warning naming
+    Unsupported configurations (not an SM90 GPU, head dims other than 128, fp32 activations, a
+    kernel in no precompiled library with no TileLang to compile it) put SGLang's triton kernel back in our phases with one warning naming
     the reason; with ``QLA_STRICT=1`` they raise :class:`qla_serving.backend.KernelUnavailable`.
     ``QLA_FORCE_REFERENCE=1`` keeps our kernel object on the PyTorch reference (debugging).
 
@@ -568,6 +568,22 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
         logger.warning("qla-serving: QLA_FORCE_REFERENCE=1, SGLang's GDN layers run the PyTorch reference")
         return None
     reason = qla_backend.unsupported_reason(device, K, V, dtype, pool.dtype)
+    if reason is None:
+        layer = _find_linear_layer(getattr(model_runner, "model", None))
+        from .warmup import warmup_kernels, warmup_specs
+
+        config = dict(
+            phases=kernel.phases,
+            num_qk_heads=getattr(layer, "num_k_heads", None),
+            num_v_heads=HV,
+            dtype=dtype,
+            pool_dtype=pool.dtype,
+            gate_dtype=getattr(getattr(layer, "A_log", None), "dtype", torch.float32),
+            bias_dtype=getattr(getattr(layer, "dt_bias", None), "dtype", None),
+            draft_tokens=_draft_tokens(model_runner),
+        )
+        # every kernel the phases call: in a precompiled library, or TileLang to compile it
+        reason = qla_backend.missing_kernels_reason(warmup_specs(**config))
     if reason is not None:
         message = (
             f"qla-serving: --linear-attn-backend flashqla cannot run here ({reason}); "
@@ -577,19 +593,7 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
                                    strict_message=f"{message}. QLA_STRICT=1 forbids the fallback")
         restore_triton(dispatcher, reason)
         return reason
-    layer = _find_linear_layer(getattr(model_runner, "model", None))
-    from .warmup import warmup_kernels
-
-    warmup_kernels(
-        phases=kernel.phases,
-        num_qk_heads=getattr(layer, "num_k_heads", None),
-        num_v_heads=HV,
-        dtype=dtype,
-        pool_dtype=pool.dtype,
-        gate_dtype=getattr(getattr(layer, "A_log", None), "dtype", torch.float32),
-        bias_dtype=getattr(getattr(layer, "dt_bias", None), "dtype", None),
-        draft_tokens=_draft_tokens(model_runner),
-    )
+    warmup_kernels(**config)
     return None
 
 

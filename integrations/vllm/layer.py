@@ -39,6 +39,7 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, is_conv_state_dim_first
 
 import qla_serving
+from qla_serving import backend
 from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
 
 from . import support, warmup
@@ -138,10 +139,20 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         cache = vllm_config.cache_config
         _, state_dtype = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
             vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
-        return support.unsupported_reason(
+        reason = support.unsupported_reason(
             vllm_config.device_config.device, config.linear_key_head_dim, config.linear_value_head_dim,
             vllm_config.model_config.dtype, state_dtype,
         )
+        if reason is not None:
+            return reason
+        # every kernel the layer will call: in a precompiled library, or TileLang to compile it.
+        # vLLM creates A_log in float32 and dt_bias in the model dtype.
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        spec = vllm_config.speculative_config
+        dtype = vllm_config.model_config.dtype
+        return backend.missing_kernels_reason(warmup.kernel_specs(
+            config.linear_num_key_heads // tp, config.linear_num_value_heads // tp, dtype, state_dtype,
+            torch.float32, dtype, spec.num_speculative_tokens if spec is not None else 0))
 
     def get_attn_backend(self):
         """vLLM's GDN backend whose metadata builder also plans qla-serving's prefill."""

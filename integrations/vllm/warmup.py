@@ -57,17 +57,25 @@ def layer_static_config(layer, device: torch.device) -> StaticConfig:
     )
 
 
+def kernel_specs(num_qk_heads: int, num_v_heads: int, dtype: torch.dtype, state_dtype: torch.dtype,
+                 gate_dtype: torch.dtype, bias_dtype: torch.dtype, num_spec_tokens: int) -> list:
+    """The kernel modules' warm-up calls of a layer (:func:`qla_serving.warmup.kernel_warmup_specs`).
+
+    vLLM's fused_post_conv_prep hands the prefill L2-normalised q/k and float32 beta.
+    """
+    return kernel_warmup_specs(WarmupConfig(
+        num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, dtype=dtype, pool_dtype=state_dtype,
+        gate_dtype=gate_dtype, bias_dtype=bias_dtype, prefill_beta_dtype=torch.float32, prefill_qk_l2norm=False,
+        verify_tokens=num_spec_tokens + 1 if num_spec_tokens else None,
+    ))
+
+
 def warmup_steps(cfg: StaticConfig, A_log: torch.Tensor, dt_bias: torch.Tensor) -> list[tuple[str, object]]:
     """The ``(description, callable)`` steps that compile ``cfg``'s kernels."""
     H, HV, K, V = cfg.num_qk_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
     dev = torch.device(cfg.device)
-    # vLLM's fused_post_conv_prep hands the prefill L2-normalised q/k and float32 beta.
-    steps = resolve_steps(kernel_warmup_specs(WarmupConfig(
-        num_qk_heads=H, num_v_heads=HV, dtype=cfg.dtype, pool_dtype=cfg.state_dtype, gate_dtype=cfg.gate_dtype,
-        bias_dtype=cfg.bias_dtype,
-        prefill_beta_dtype=torch.float32, prefill_qk_l2norm=False,
-        verify_tokens=cfg.num_spec_tokens + 1 if cfg.num_spec_tokens else None,
-    )), logger)
+    steps = resolve_steps(kernel_specs(H, HV, cfg.dtype, cfg.state_dtype, cfg.gate_dtype, cfg.bias_dtype,
+                                       cfg.num_spec_tokens), logger)
 
     def pool():
         return torch.zeros(2, HV, V, K, dtype=cfg.state_dtype, device=dev)

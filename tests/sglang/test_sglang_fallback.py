@@ -145,6 +145,7 @@ def test_supported_config_keeps_our_kernel_and_compiles_at_start_up(dispatcher, 
     from qla_serving.integrations.sglang.patch import our_kernel
 
     monkeypatch.setattr(qla_backend, "device_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(qla_backend, "missing_kernels_reason", lambda specs: None)  # a library or TileLang has them
     compiled = []
     monkeypatch.setattr(warmup, "warmup_kernels", lambda **cfg: compiled.append(cfg) or 0)
     kernel = our_kernel(dispatcher)
@@ -202,3 +203,27 @@ def test_warmup_runs_what_exists_and_logs_what_does_not(monkeypatch, caplog):
     messages = " | ".join(r.getMessage() for r in caplog.records)
     assert "qla_serving has no no_such_warmup()" in messages
     assert "qla_serving.no_such_module does not import" in messages
+
+
+def test_kernels_in_no_library_without_tilelang_fall_back(dispatcher, monkeypatch, caplog, tmp_path):
+    """SGLang's own TileLang and no library for the model's heads: triton stays, one warning
+    names the first missing kernel (an error under QLA_STRICT)."""
+    from qla_serving.integrations.sglang.kernel import bind_to_runner
+    from qla_serving.integrations.sglang.patch import our_kernel
+    from qla_serving.kernels import library
+
+    monkeypatch.setattr(qla_backend, "device_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(qla_backend, "tilelang_unsupported_reason", lambda: "TileLang 0.1.12 is installed but ...")
+    monkeypatch.setattr(library, "search_path", lambda: [tmp_path])
+    library.reset()
+    try:
+        kernel = our_kernel(dispatcher)
+        with caplog.at_level(logging.WARNING, logger="qla_serving"):
+            got = bind_to_runner(kernel, dispatcher, gdn_backend_with(dispatcher), runner())
+        assert "in no precompiled kernel library" in got and "TileLang 0.1.12" in got
+        assert kernel_types(dispatcher) == {"TritonGDNKernel"}
+        monkeypatch.setenv("QLA_STRICT", "1")
+        with pytest.raises(qla_backend.KernelUnavailable, match="in no precompiled kernel library"):
+            bind_to_runner(kernel, dispatcher, None, runner())
+    finally:
+        library.reset()

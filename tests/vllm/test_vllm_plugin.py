@@ -203,3 +203,31 @@ def test_strict_mode_raises_on_cpu(flashqla_config, distributed, monkeypatch):
     monkeypatch.setenv("QLA_STRICT", "1")
     with pytest.raises(KernelUnavailable, match="QLA_STRICT=1"):
         build_gdn_layer(flashqla_config)
+
+
+def test_a_configuration_no_library_holds_falls_back_without_tilelang(flashqla_config, distributed, monkeypatch,
+                                                                      tmp_path, caplog):
+    """On a usable GPU but with the engine's TileLang and no library for the layer's heads, the
+    layer stays vLLM's, with one warning naming the missing kernel (an error under QLA_STRICT)."""
+    from qla_serving import backend
+    from qla_serving.integrations.vllm import support
+    from qla_serving.integrations.vllm.layer import QlaGatedDeltaNetAttention
+    from qla_serving.kernels import library
+
+    monkeypatch.setattr(support, "unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: "TileLang 0.1.9 is installed but ...")
+    monkeypatch.setattr(library, "search_path", lambda: [tmp_path])
+    library.reset()
+    support._warned.clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            layer = build_gdn_layer(flashqla_config)
+        assert type(layer) is QlaGatedDeltaNetAttention and not layer.qla_active
+        msgs = [r.getMessage() for r in caplog.records if "in no precompiled kernel library" in r.getMessage()]
+        assert len(msgs) == 1 and "prep PrefillStaticConfig(num_qk_heads=2, num_v_heads=4" in msgs[0]
+        assert "falling back to vLLM's default GDN backend" in msgs[0]
+        monkeypatch.setenv("QLA_STRICT", "1")
+        with pytest.raises(backend.KernelUnavailable, match="in no precompiled kernel library"):
+            build_gdn_layer(flashqla_config)
+    finally:
+        library.reset()
