@@ -58,7 +58,14 @@ for step in "$@"; do
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
     install)
-      ( python3 -m e2e_bench.install ${QLA_INSTALL_ARGS:-} --out-dir "$OUT"
+      # the package from its built wheel (QLA_WHEEL, a path in the checkout), not the staged tree,
+      # run from a directory that holds only the harness, so the checkout cannot stand in for it
+      ( rm -rf /tmp/qla-wheel /tmp/qla-bench && mkdir -p /tmp/qla-bench && cp -r e2e_bench /tmp/qla-bench/
+        wheel=${QLA_WHEEL:?the built wheel}; [[ $wheel == /* ]] || wheel=$here/$wheel
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/qla-wheel "$wheel" || exit 1
+        cd /tmp/qla-bench && export PYTHONPATH=/tmp/qla-wheel:${PYTHONPATH#"$QLA_STAGE":} && unset QLA_KERNEL_LIBRARY
+        python3 -c "import tilelang, qla_serving; print('tilelang', tilelang.__version__, 'qla_serving from', qla_serving.__file__)"
+        python3 -m e2e_bench.install ${QLA_INSTALL_ARGS:-} --out-dir "$OUT"
         rc=$?; tar -C /tmp -cJf "$OUT/install-logs.tar.xz" $(cd /tmp && ls -d qla-install/server-*.log 2>/dev/null); exit $rc
       ) 2>&1 | tee "$OUT/install.log" | tail -40 ;;
     stress)

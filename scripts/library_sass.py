@@ -6,7 +6,7 @@ configuration with TileLang's default (JIT) path, capture the cubin nvcc returns
 TileLang 0.1.15 and nvcc on the machine. Run from a directory outside the checkout, with the
 staged tree first on PYTHONPATH (``scripts/gpu_stage.sh``):
 
-    python scripts/library_sass.py LIBRARY_DIR [--limit N]
+    python scripts/library_sass.py LIBRARY_DIR [--sample N]   # N kernels spread over the library
 """
 
 import argparse
@@ -39,7 +39,7 @@ def sass(binary_path: str) -> list[list[str]]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("library")
-    ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--sample", type=int, default=0, help="check N kernels spread evenly over the manifest")
     args = ap.parse_args()
     lib = pathlib.Path(args.library)
     manifest = json.loads((lib / "manifest.json").read_text())
@@ -62,7 +62,9 @@ def main() -> int:
     tl_nvcc.compile_cuda = capture
     tilelang.disable_cache()
     ours = sass(str(lib / manifest["library"]))
-    keys = list(manifest["kernels"].items())[: args.limit or None]
+    keys = list(manifest["kernels"].items())
+    if args.sample and args.sample < len(keys):
+        keys = [keys[round(i * (len(keys) - 1) / (args.sample - 1))] for i in range(args.sample)]
     same = differ = 0
     for key, entry in keys:
         kind, fields = json.loads(key)

@@ -239,7 +239,7 @@ def test_library_decode_kernels_match_jit_bit_for_bit():
     from test_decode_kernel import make_inputs
 
     checked = 0
-    for fields in _library_keys("decode", 12):
+    for fields in _library_keys("decode", 8):
         key = decode.DecodeStaticConfig(*fields[:-1], DecodeTile(*fields[-1]))
         H, HV, T = key.num_qk_heads, key.num_v_heads, key.tokens
         act = getattr(torch, key.q_dtype)
@@ -288,7 +288,7 @@ def test_library_prefill_kernels_match_jit_bit_for_bit():
     from test_prefill_kernel import _make_case, _run
 
     checked = 0
-    for fields in _library_keys("prep", 6):
+    for fields in _library_keys("prep", 3):
         cfg = chunk_prefill.PrefillStaticConfig(*fields)
         lib_set = (library.lookup("prep", cfg), library.lookup("chunk_fwd", cfg))
         if None in lib_set:
