@@ -106,14 +106,20 @@ def library_info() -> dict:
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
-    lines = [f"# Install proof: {meta['engine']} with the TileLang it pins, on {meta['gpu']}", "",
-             f"- versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
+    v = meta["versions"]
+    lines = [f"# Install proof: {meta['engine']} {v.get(meta['engine'])} serving from the wheel's kernel library "
+             f"(TileLang {v.get('tilelang')} importable), on {meta['gpu']}", "",
+             f"- versions (as the server imports them): {', '.join(f'{k} {v}' for k, v in v.items())}",
              f"- kernel library: {json.dumps(meta['library'])}",
              f"- model: {meta['model']} ({meta['layers']} layers), request: {meta['prompt_len']} prompt tokens, "
              f"{meta['max_tokens']} out", f"- command: `{meta['command']}`", "",
              "| backend | run | start-up s | first request s | same request, warm s | first / warm | "
              "library kernels | qla TileLang compiles | TileLang compile lines |",
              "|---|---|---|---|---|---|---|---|---|"]
+    notes = [f"- {n}" for n in meta.get("notes", [])]
+    checks = [f"- `pip check` on the CPU, fresh venv with {c['install']}: {c['result']} ({c['versions']})"
+              for c in meta.get("pip_check", [])]
+    lines[5:5] = notes + checks
     for r in rows:
         name = r["backend"] + (f" ({r['resolved']})" if r.get("resolved") else "")
         lines.append(f"| {name} | {r['run']} | {r.get('startup_s')} | {r.get('first_request_s', r.get('error'))} | "
