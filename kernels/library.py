@@ -22,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -181,6 +183,49 @@ class Library:
         return LibraryKernel(self.lib, entry, str(self.path))
 
 
+class KernelUnavailable(RuntimeError):
+    """The kernels cannot run this configuration (no library holds it and TileLang cannot compile it, or strict mode forbids a fallback)."""
+
+
+# The TileLang the kernels are written and tested for; pyproject's `compile` extra pins the same
+# (tests/test_packaging.py checks). The engines pin older ones (vLLM 0.26: 0.1.9; vLLM
+# 0.27-0.32 and SGLang 0.5.20-0.5.23: 0.1.12), so a mismatch is a likely configuration.
+TILELANG_VERSION = "0.1.15"
+
+
+def _installed_tilelang() -> str | None:
+    """The version of the TileLang that imports (a copy on PYTHONPATH can differ from the one
+    pip installed, so ask the module first, then the metadata)."""
+    try:
+        import tilelang
+
+        version = getattr(tilelang, "__version__", None)
+        if version:
+            return str(version)
+    except Exception:  # a TileLang that does not even import: let the kernels report it
+        return None
+    try:
+        return importlib.metadata.version("tilelang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def tilelang_unsupported_reason() -> str | None:
+    """Why the installed TileLang cannot build the kernels, or None.
+
+    ``QLA_ALLOW_TILELANG=1`` skips the version comparison (to try another TileLang on purpose).
+    """
+    if importlib.util.find_spec("tilelang") is None:
+        return "TileLang is not installed"
+    if os.environ.get("QLA_ALLOW_TILELANG") == "1":
+        return None
+    have = _installed_tilelang()
+    if have is not None and have.split("+")[0] != TILELANG_VERSION:
+        return (f"TileLang {have} is installed but the kernels are built for TileLang {TILELANG_VERSION} "
+                "(QLA_ALLOW_TILELANG=1 to try it anyway)")
+    return None
+
+
 _libraries: list[Library] | None = None
 _lock = threading.Lock()
 loaded = 0  # kernels this process took from a library
@@ -264,8 +309,6 @@ def lookup(kind: str, config) -> LibraryKernel | None:
 def tilelang_for(what: str):
     """TileLang, to compile ``what`` (a kernel no library holds); raises
     :class:`~qla_serving.backend.KernelUnavailable` naming why when it cannot."""
-    from ..backend import KernelUnavailable, tilelang_unsupported_reason
-
     reason = tilelang_unsupported_reason()
     if reason is not None:
         raise KernelUnavailable(f"qla-serving: the {what} is in no precompiled kernel library "
@@ -289,5 +332,5 @@ def has(kind: str, config) -> bool:
     return any(key in lib.manifest["kernels"] for lib in libraries())
 
 
-__all__ = ["FORMAT", "LibraryKernel", "describe_search_path", "has", "kernel_key", "libraries", "lookup", "parse_signature",
-           "reset", "search_path", "source_digest", "tilelang_for"]
+__all__ = ["FORMAT", "TILELANG_VERSION", "KernelUnavailable", "LibraryKernel", "describe_search_path", "has", "kernel_key", "libraries", "lookup", "parse_signature",
+           "reset", "search_path", "source_digest", "tilelang_for", "tilelang_unsupported_reason"]

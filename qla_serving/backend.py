@@ -17,56 +17,16 @@ import os
 
 import torch
 
+from .kernels import library
+from .kernels.library import TILELANG_VERSION, KernelUnavailable  # noqa: F401 - this module's API too
+
 logger = logging.getLogger("qla_serving")
 
 _warned: set[tuple[str, str]] = set()
 
 
-class KernelUnavailable(RuntimeError):
-    """The kernels cannot run this configuration and strict mode forbids the fallback."""
-
-
 def strict_mode() -> bool:
     return os.environ.get("QLA_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-# The TileLang the kernels are written and tested for; pyproject's `gpu` extra pins the same
-# (tests/test_packaging.py checks). The engines pin older ones (vLLM 0.26: 0.1.9; vLLM
-# 0.27-0.32 and SGLang 0.5.20-0.5.23: 0.1.12), so a mismatch is a likely configuration.
-TILELANG_VERSION = "0.1.15"
-
-
-def _installed_tilelang() -> str | None:
-    """The version of the TileLang that imports (a copy on PYTHONPATH can differ from the one
-    pip installed, so ask the module first, then the metadata)."""
-    try:
-        import tilelang
-
-        version = getattr(tilelang, "__version__", None)
-        if version:
-            return str(version)
-    except Exception:  # a TileLang that does not even import: let the kernels report it
-        return None
-    try:
-        return importlib.metadata.version("tilelang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def tilelang_unsupported_reason() -> str | None:
-    """Why the installed TileLang cannot build the kernels, or None.
-
-    ``QLA_ALLOW_TILELANG=1`` skips the version comparison (to try another TileLang on purpose).
-    """
-    if importlib.util.find_spec("tilelang") is None:
-        return "TileLang is not installed"
-    if os.environ.get("QLA_ALLOW_TILELANG") == "1":
-        return None
-    have = _installed_tilelang()
-    if have is not None and have.split("+")[0] != TILELANG_VERSION:
-        return (f"TileLang {have} is installed but the kernels are built for TileLang {TILELANG_VERSION} "
-                "(QLA_ALLOW_TILELANG=1 to try it anyway)")
-    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,14 +42,18 @@ def device_unsupported_reason(device: torch.device) -> str | None:
     return kernel_source_unsupported_reason()
 
 
+def tilelang_unsupported_reason() -> str | None:
+    """Why the installed TileLang cannot build the kernels, or None
+    (:func:`qla_serving.kernels.library.tilelang_unsupported_reason`)."""
+    return library.tilelang_unsupported_reason()
+
+
 def kernel_source_unsupported_reason() -> str | None:
     """Why no kernel at all can be had here (no precompiled library and no TileLang to compile
     with), or None."""
-    reason = tilelang_unsupported_reason()
+    reason = library.tilelang_unsupported_reason()
     if reason is None:
         return None
-    from .kernels import library
-
     if library.libraries():
         return None
     return f"no precompiled kernel library ({library.describe_search_path()}) and {reason}"
@@ -98,7 +62,7 @@ def kernel_source_unsupported_reason() -> str | None:
 def missing_kernels_reason(specs) -> str | None:
     """Why the kernels of these warm-up specs (:func:`qla_serving.warmup.kernel_warmup_specs`)
     cannot all be had, or None: each is in a precompiled library, or TileLang can compile it."""
-    if tilelang_unsupported_reason() is None:
+    if library.tilelang_unsupported_reason() is None:
         return None
     import importlib
 
@@ -107,11 +71,9 @@ def missing_kernels_reason(specs) -> str | None:
         missing += importlib.import_module(module).missing(**kwargs)
     if not missing:
         return None
-    from .kernels import library
-
     more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
     return (f"the kernel {missing[0]}{more} is in no precompiled kernel library ({library.describe_search_path()}) "
-            f"and {tilelang_unsupported_reason()}; build them with `qla-serving compile`")
+            f"and {library.tilelang_unsupported_reason()}; build them with `qla-serving compile`")
 
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent-state pools the kernels keep

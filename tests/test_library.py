@@ -170,9 +170,9 @@ def test_missing_kernels_need_tilelang_or_fall_back(search, monkeypatch):
 
     cfg = WarmupConfig(2, 8, torch.bfloat16, torch.float32, bias_dtype=torch.bfloat16, prefill_qk_l2norm=False)
     specs = kernel_warmup_specs(cfg)
-    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: None)
+    monkeypatch.setattr(library, "tilelang_unsupported_reason", lambda: None)
     assert backend.missing_kernels_reason(specs) is None  # TileLang compiles what no library holds
-    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: "TileLang is not installed")
+    monkeypatch.setattr(library, "tilelang_unsupported_reason", lambda: "TileLang is not installed")
     reason = backend.missing_kernels_reason(specs)
     assert "is in no precompiled kernel library" in reason and "TileLang is not installed" in reason
     assert "qla-serving compile" in reason
@@ -185,7 +185,7 @@ def test_missing_kernels_need_tilelang_or_fall_back(search, monkeypatch):
 
 
 def test_no_library_and_no_tilelang_names_the_configuration(search, monkeypatch):
-    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: "TileLang 0.1.9 is installed but ...")
+    monkeypatch.setattr(library, "tilelang_unsupported_reason", lambda: "TileLang 0.1.9 is installed but ...")
     monkeypatch.setattr(decode, "_cache", {})
     key = decode._key(2, 8, 1, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32,
                       torch.int32, True, False, True, DecodeTile.parse("16x128"))
@@ -195,7 +195,7 @@ def test_no_library_and_no_tilelang_names_the_configuration(search, monkeypatch)
 
 
 def test_a_library_kernel_is_used_without_compiling(search, monkeypatch):
-    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: "TileLang is not installed")
+    monkeypatch.setattr(library, "tilelang_unsupported_reason", lambda: "TileLang is not installed")
     monkeypatch.setattr(chunk_prefill, "_kernels", {})
     sentinel = object()
     monkeypatch.setattr(library, "lookup", lambda kind, cfg: (kind, sentinel))

@@ -218,12 +218,14 @@ def test_tilelang_version_mismatch_is_a_fallback_reason(monkeypatch):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "tilelang" else None)
-    monkeypatch.setattr(backend, "_installed_tilelang", lambda: "0.1.12")
+    from qla_serving.kernels import library
+
+    monkeypatch.setattr(library, "_installed_tilelang", lambda: "0.1.12")
     reason = backend.tilelang_unsupported_reason()
     assert "TileLang 0.1.12 is installed" in reason and backend.TILELANG_VERSION in reason
-    monkeypatch.setattr(backend, "_installed_tilelang", lambda: backend.TILELANG_VERSION + "+cu130")
+    monkeypatch.setattr(library, "_installed_tilelang", lambda: backend.TILELANG_VERSION + "+cu130")
     assert backend.tilelang_unsupported_reason() is None
-    monkeypatch.setattr(backend, "_installed_tilelang", lambda: "0.1.9")
+    monkeypatch.setattr(library, "_installed_tilelang", lambda: "0.1.9")
     monkeypatch.setenv("QLA_ALLOW_TILELANG", "1")
     assert backend.tilelang_unsupported_reason() is None
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)

@@ -213,7 +213,7 @@ def test_kernels_in_no_library_without_tilelang_fall_back(dispatcher, monkeypatc
     from qla_serving.kernels import library
 
     monkeypatch.setattr(qla_backend, "device_unsupported_reason", lambda device: None)
-    monkeypatch.setattr(qla_backend, "tilelang_unsupported_reason", lambda: "TileLang 0.1.12 is installed but ...")
+    monkeypatch.setattr(library, "tilelang_unsupported_reason", lambda: "TileLang 0.1.12 is installed but ...")
     monkeypatch.setattr(library, "search_path", lambda: [tmp_path])
     library.reset()
     try:

@@ -191,7 +191,9 @@ def test_tilelang_reasons(monkeypatch):
                         lambda name, *a: None if name == "tilelang" else real_find_spec(name, *a))
     assert "not installed" in backend.tilelang_unsupported_reason()
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
-    monkeypatch.setattr(backend, "TILELANG_VERSION", "99.0.0")
+    from qla_serving.kernels import library
+
+    monkeypatch.setattr(library, "TILELANG_VERSION", "99.0.0")
     if real_find_spec("tilelang") is not None:
         assert "99.0.0" in backend.tilelang_unsupported_reason()
         monkeypatch.setenv("QLA_ALLOW_TILELANG", "1")
@@ -215,7 +217,7 @@ def test_a_configuration_no_library_holds_falls_back_without_tilelang(flashqla_c
     from qla_serving.kernels import library
 
     monkeypatch.setattr(support, "unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(backend, "tilelang_unsupported_reason", lambda: "TileLang 0.1.9 is installed but ...")
+    monkeypatch.setattr(library, "tilelang_unsupported_reason", lambda: "TileLang 0.1.9 is installed but ...")
     monkeypatch.setattr(library, "search_path", lambda: [tmp_path])
     library.reset()
     support._warned.clear()
