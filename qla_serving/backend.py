@@ -10,8 +10,6 @@ do not support falls back to the reference with one warning naming the reason; w
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import importlib.util
 import logging
 import os
 

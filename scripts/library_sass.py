@@ -47,7 +47,6 @@ def main() -> int:
     os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="tl-cache-")
     import tilelang
     import tilelang.contrib.nvcc as tl_nvcc
-
     from qla_serving.kernels import chunk_prefill, decode
     from qla_serving.kernels.decode_tiles import DecodeTile
 

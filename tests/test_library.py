@@ -14,10 +14,10 @@ import subprocess
 
 import pytest
 import torch
-
-from qla_serving import backend
 from qla_serving.kernels import chunk_prefill, decode, library
 from qla_serving.kernels.decode_tiles import DecodeTile
+
+from qla_serving import backend
 
 # The entry point TileLang generates for the decode kernel (its parameters verbatim).
 DECODE_SIGNATURE = (
