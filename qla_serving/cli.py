@@ -205,8 +205,17 @@ def _cmd_info(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         print(f"{'gpu':20s} {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
+    from .kernels import library
+
+    for lib in library.libraries():
+        print(f"{'kernel library':20s} {lib.path} ({len(lib.manifest['kernels'])} kernels, "
+              f"built with TileLang {lib.manifest.get('built_with', {}).get('tilelang', '?')})")
+    if not library.libraries():
+        print(f"{'kernel library':20s} none ({library.describe_search_path()})")
+    tl = library.tilelang_unsupported_reason()
+    print(f"{'TileLang compiles':20s} {'yes' if tl is None else 'no: ' + tl}")
     reason = backend.unsupported_reason(device, 128, 128, torch.bfloat16)
-    print(f"{'path (bf16, K=V=128)':20s} {'TileLang kernels' if reason is None else 'PyTorch reference: ' + reason}")
+    print(f"{'path (bf16, K=V=128)':20s} {'kernels' if reason is None else 'PyTorch reference: ' + reason}")
     return 0
 
 

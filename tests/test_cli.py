@@ -153,3 +153,19 @@ def test_compile_names_a_bad_model_config(capsys, tmp_path):
     cfg.write_text('{"num_attention_heads": 8}')
     assert cli.main(["compile", "--model-config", str(cfg)]) == 2
     assert "not a hybrid Qwen (GDN) model config" in capsys.readouterr().err
+
+
+def test_info_says_where_kernels_come_from(capsys, monkeypatch, tmp_path):
+    from qla_serving.kernels import library
+
+    monkeypatch.setattr(library, "search_path", lambda: [tmp_path])
+    monkeypatch.setattr(library, "tilelang_unsupported_reason", lambda: "TileLang is not installed")
+    library.reset()
+    try:
+        assert cli.main(["info"]) == 0
+    finally:
+        library.reset()
+    out = capsys.readouterr().out
+    assert f"kernel library       none ({tmp_path} (none))" in out
+    assert "TileLang compiles    no: TileLang is not installed" in out
+    assert "path (bf16, K=V=128) PyTorch reference:" in out  # no CUDA here
