@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Replay a Dockerfile's install into a fresh virtual environment that holds the engine version its
+# FROM line names (no Docker engine runs on the project's machines), then `pip check` it and
+# import the plugin the way the engine does. Needs the built wheel in dist/ and a reachable index
+# (several GB of wheels); not part of CI, which only resolves the same lines (scripts/ci_install.sh).
+#
+#   bash scripts/docker_replay.sh docker/Dockerfile.vllm [VENV]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dockerfile=$1
+venv=${2:-/tmp/qla-replay-$(basename "$dockerfile" | tr . -)}
+python=${PYTHON:-python3}
+from=$(sed -n 's/^FROM //p' "$dockerfile")
+case $from in
+  vllm/vllm-openai:v*) engine="vllm==${from#vllm/vllm-openai:v}" plugin=qla_serving.integrations.vllm ;;
+  lmsysorg/sglang:v*) v=${from#lmsysorg/sglang:v}; engine="sglang==${v%%-*}" plugin=qla_serving.integrations.sglang ;;
+  *) echo "$dockerfile: FROM $from: no engine this script knows" >&2; exit 2 ;;
+esac
+wheel=$(ls dist/qla_serving-*.whl | head -1)
+line=$(grep -E '^RUN pip install' "$dockerfile")
+# the Dockerfile copies dist/ to /opt/qla-serving/: point its pip line at this checkout's dist/
+line=${line#RUN }
+line=${line//\/opt\/qla-serving\//dist/}
+echo "== $dockerfile: fresh venv $venv with $engine, then: $line"
+rm -rf "$venv" && "$python" -m venv "$venv"
+"$venv/bin/pip" install -q --disable-pip-version-check "$engine"
+PATH=$venv/bin:$PATH bash -c "$line"
+"$venv/bin/pip" check
+"$venv/bin/python" - "$plugin" "$engine" <<'PY'
+import importlib, importlib.metadata as md, sys
+plugin, engine = sys.argv[1], sys.argv[2]
+eps = [e for g in ("vllm.general_plugins", "sglang.srt.plugins") for e in md.entry_points(group=g) if e.name == "qla_serving"]
+assert eps, "qla-serving's entry point is not installed"
+importlib.import_module(plugin)
+from qla_serving.kernels import library
+libs = library.libraries()
+name = engine.split("==")[0]
+print(f"{engine}: {name} {md.version(name)}, tilelang {md.version('tilelang')}, qla-serving {md.version('qla-serving')}, "
+      f"entry point {eps[0].value}, kernel library {libs[0].path if libs else 'NONE'} "
+      f"({len(libs[0].manifest['kernels']) if libs else 0} kernels)")
+PY
