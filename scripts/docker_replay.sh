@@ -26,6 +26,7 @@ rm -rf "$venv" && "$python" -m venv "$venv"
 "$venv/bin/pip" install -q --disable-pip-version-check "$engine"
 PATH=$venv/bin:$PATH bash -c "$line"
 "$venv/bin/pip" check
+cd /tmp  # the checkout's qla_serving must not stand in for the installed one
 "$venv/bin/python" - "$plugin" "$engine" <<'PY'
 import importlib, importlib.metadata as md, sys
 plugin, engine = sys.argv[1], sys.argv[2]
@@ -38,4 +39,15 @@ name = engine.split("==")[0]
 print(f"{engine}: {name} {md.version(name)}, tilelang {md.version('tilelang')}, qla-serving {md.version('qla-serving')}, "
       f"entry point {eps[0].value}, kernel library {libs[0].path if libs else 'NONE'} "
       f"({len(libs[0].manifest['kernels']) if libs else 0} kernels)")
+# with the engine's own TileLang, every kernel of a shipped configuration comes from the library
+import torch
+from qla_serving import backend, compile as qc
+from qla_serving.warmup import kernel_warmup_specs
+print("TileLang for compiling:", backend.tilelang_unsupported_reason() or "usable")
+for cfg in qc.plan_configs([(16, 32), (2, 8)], engine=name, dtypes=["bf16"], states=["fp32", "bf16"], verify_tokens=[3]):
+    reason = backend.missing_kernels_reason(kernel_warmup_specs(cfg))
+    assert reason is None, reason
+print("shipped configurations (16/32, 2/8; bf16; fp32/bf16 state; verify 3): every kernel in the library")
+odd = qc.plan_configs([(3, 9)], engine=name, dtypes=["bf16"], states=["fp32"])[0]
+print("an unshipped one (3/9 heads):", backend.missing_kernels_reason(kernel_warmup_specs(odd)))
 PY
