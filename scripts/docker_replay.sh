@@ -30,7 +30,8 @@ cd /tmp  # the checkout's qla_serving must not stand in for the installed one
 "$venv/bin/python" - "$plugin" "$engine" <<'PY'
 import importlib, importlib.metadata as md, sys
 plugin, engine = sys.argv[1], sys.argv[2]
-eps = [e for g in ("vllm.general_plugins", "sglang.srt.plugins") for e in md.entry_points(group=g) if e.name == "qla_serving"]
+group = "vllm.general_plugins" if engine.startswith("vllm") else "sglang.srt.plugins"
+eps = [e for e in md.entry_points(group=group) if e.name == "qla_serving"]
 assert eps, "qla-serving's entry point is not installed"
 importlib.import_module(plugin)
 from qla_serving.kernels import library
