@@ -376,9 +376,6 @@ def resolve_default(engine: str, log_text: str) -> str | None:
     return ENGINE_NAMES.get(m.group(1), m.group(1).lower())
 
 
-COMPILE_PATTERNS = (re.compile(r"qla-serving: compil\w+ (\d+) kernel"),)
-
-
 # ----------------------------------------------------------------------------- the run
 
 

@@ -174,17 +174,16 @@ class Library:
     manifest: dict
     lib: ctypes.CDLL | None = None
 
-    def kernel(self, key: str) -> LibraryKernel | None:
-        entry = self.manifest["kernels"].get(key)
-        if entry is None:
-            return None
+    def kernel(self, key: str) -> LibraryKernel:
+        """The kernel under ``key`` of this library's manifest (the shared object loads on first use)."""
         if self.lib is None:
             self.lib = ctypes.CDLL(str(self.path / self.manifest["library"]))
-        return LibraryKernel(self.lib, entry, str(self.path))
+        return LibraryKernel(self.lib, self.manifest["kernels"][key], str(self.path))
 
 
 class KernelUnavailable(RuntimeError):
-    """The kernels cannot run this configuration (no library holds it and TileLang cannot compile it, or strict mode forbids a fallback)."""
+    """The kernels cannot run this configuration (no library holds it and TileLang cannot compile
+    it, or strict mode forbids a fallback)."""
 
 
 # The TileLang the kernels are written and tested for; pyproject's `compile` extra pins the same
@@ -292,18 +291,23 @@ def reset() -> None:
         _libraries = None
 
 
+def _holder(kind: str, config) -> tuple[Library | None, str]:
+    """The first library whose manifest holds kernel ``kind`` of ``config`` (None when none does or
+    ``QLA_KERNEL_LIBRARY_OFF=1``), and the kernel's key."""
+    key = kernel_key(kind, config)
+    if os.environ.get("QLA_KERNEL_LIBRARY_OFF") == "1":
+        return None, key
+    return next((lib for lib in libraries() if key in lib.manifest["kernels"]), None), key
+
+
 def lookup(kind: str, config) -> LibraryKernel | None:
     """The precompiled kernel ``kind`` of ``config`` from the first library holding it, or None."""
-    if os.environ.get("QLA_KERNEL_LIBRARY_OFF") == "1":
-        return None
     global loaded
-    key = kernel_key(kind, config)
-    for lib in libraries():
-        kernel = lib.kernel(key)
-        if kernel is not None:
-            loaded += 1
-            return kernel
-    return None
+    lib, key = _holder(kind, config)
+    if lib is None:
+        return None
+    loaded += 1
+    return lib.kernel(key)
 
 
 def tilelang_for(what: str):
@@ -326,11 +330,9 @@ def describe_search_path() -> str:
 
 def has(kind: str, config) -> bool:
     """Whether a library holds kernel ``kind`` of ``config`` (loads nothing)."""
-    if os.environ.get("QLA_KERNEL_LIBRARY_OFF") == "1":
-        return False
-    key = kernel_key(kind, config)
-    return any(key in lib.manifest["kernels"] for lib in libraries())
+    return _holder(kind, config)[0] is not None
 
 
-__all__ = ["FORMAT", "TILELANG_VERSION", "KernelUnavailable", "LibraryKernel", "describe_search_path", "has", "kernel_key", "libraries", "lookup", "parse_signature",
-           "reset", "search_path", "source_digest", "tilelang_for", "tilelang_unsupported_reason"]
+__all__ = ["FORMAT", "TILELANG_VERSION", "KernelUnavailable", "LibraryKernel", "describe_search_path", "has",
+           "kernel_key", "libraries", "lookup", "parse_signature", "reset", "search_path", "source_digest",
+           "tilelang_for", "tilelang_unsupported_reason"]

@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
+import multiprocessing
 import os
 import pathlib
 import shutil
@@ -77,7 +78,7 @@ def _programs(cfg: WarmupConfig) -> list[tuple[str, object, _Program]]:
 
     decode._cache.clear()
     chunk_prefill._kernels.clear()
-    for label, fn in resolve_steps(kernel_warmup_specs(cfg)):
+    for _, fn in resolve_steps(kernel_warmup_specs(cfg)):
         fn()
     out = [("decode", key, prog) for key, prog in decode._cache.items()]
     for pcfg, (prep, fwd) in chunk_prefill._kernels.items():
@@ -220,7 +221,7 @@ def build_library(configs: list[WarmupConfig], out_dir: str | os.PathLike, *, jo
     with tempfile.TemporaryDirectory(prefix="qla-build-") as work:
         rows: list[dict] = []
         bar = tqdm(total=len(configs), desc="qla-serving: building kernels", unit="config") if (tqdm and progress) else None
-        ctx = __import__("multiprocessing").get_context("spawn")  # no CUDA or TileLang state forked
+        ctx = multiprocessing.get_context("spawn")  # no CUDA or TileLang state forked
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
             futures = [pool.submit(_build_config, cfg, work, i) for i, cfg in enumerate(configs)]
             for fut in concurrent.futures.as_completed(futures):
@@ -262,9 +263,15 @@ def build_library(configs: list[WarmupConfig], out_dir: str | os.PathLike, *, jo
 
 
 def _describe(cfg: WarmupConfig) -> dict:
-    d = dataclasses.asdict(cfg)
-    return {k: (str(v).replace("torch.", "") if not isinstance(v, (int, bool, type(None))) else v)
-            if k != "phases" else sorted(v) for k, v in d.items()}
+    """``cfg`` as JSON: dtypes by name, phases sorted."""
+    out = {}
+    for k, v in dataclasses.asdict(cfg).items():
+        if k == "phases":
+            v = sorted(v)
+        elif not isinstance(v, (int, bool, type(None))):
+            v = str(v).removeprefix("torch.")
+        out[k] = v
+    return out
 
 
 __all__ = ["LIBRARY_NAME", "build_library"]
