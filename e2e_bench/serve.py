@@ -128,11 +128,15 @@ def hf_config(spec: dict, num_layers: int, max_len: int) -> dict:
             "vision_start_token_id": vocab - 6, "vision_end_token_id": vocab - 5}
 
 
-def tokenizer_json(words: int = TOKENIZER_WORDS) -> dict:
+def tokenizer_json(words: int = TOKENIZER_WORDS, vocab_size: int = 0) -> dict:
     """A word-level tokenizer: ``w<i>`` is id ``i``, whitespace splits, decoding joins with spaces,
-    so any id sequence decodes and re-encodes to itself (the clients' random dataset relies on it)."""
+    so any id sequence decodes and re-encodes to itself (the clients' random dataset relies on it).
+    The end-of-text token is id ``words``; ``vocab_size`` > ``words`` + 1 adds ``w<i>`` for the ids
+    after it, so that every id the model can generate decodes to a word (SGLang's client times the
+    first token at the first chunk whose text is not empty)."""
     vocab = {f"w{i}": i for i in range(words)}
     vocab[EOS_TEXT] = words
+    vocab.update({f"w{i}": i for i in range(words + 1, vocab_size)})
     special = {"id": words, "content": EOS_TEXT, "single_word": False, "lstrip": False, "rstrip": False,
                "normalized": False, "special": True}
     return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [special],
@@ -145,14 +149,18 @@ def tokenizer_dir(model_dir: str) -> str:
     return str(pathlib.Path(model_dir) / "tokenizer")
 
 
-def write_model(spec: dict, num_layers: int, max_len: int, directory: str | os.PathLike) -> str:
+def write_model(spec: dict, num_layers: int, max_len: int, directory: str | os.PathLike,
+                full_vocab: bool = False) -> str:
     """Write config.json into ``directory`` and the tokenizer into its ``tokenizer/`` (apart, since
-    transformers would otherwise build the model type's own tokenizer class); weights stay dummy."""
+    transformers would otherwise build the model type's own tokenizer class); weights stay dummy.
+    ``full_vocab``: the tokenizer has a word for every id of the model's vocabulary (SGLang's
+    client, :func:`tokenizer_json`); without it, ids past the end-of-text token decode to nothing."""
     path = pathlib.Path(directory)
     tok = pathlib.Path(tokenizer_dir(str(path)))
     tok.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config(spec, num_layers, max_len), indent=1) + "\n")
-    (tok / "tokenizer.json").write_text(json.dumps(tokenizer_json()))
+    words = tokenizer_json(vocab_size=spec["vocab_size"] if full_vocab else 0)
+    (tok / "tokenizer.json").write_text(json.dumps(words))
     (tok / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TEXT, "model_max_length": max_len,
         "clean_up_tokenization_spaces": False}))
@@ -194,11 +202,29 @@ def server_command(s: Setup, backend: str, extra: list[str] = ()) -> list[str]:
                "--random-seed", "0"]
         if s.tp > 1:
             cmd.append("--disable-custom-all-reduce")
+        if sglang_fa3_library() is None:
+            # SGLang's default full attention on Hopper is FA3, from sgl-kernel's flash_ops, which
+            # the GPU machine's bundle leaves out (1.1 GB); the same for every backend
+            cmd += ["--attention-backend", "triton"]
         if backend != "default":
             cmd += ["--linear-attn-backend", backend]
     else:
         raise ValueError(f"engine {s.engine!r}: expected one of {ENGINES}")
     return cmd + list(extra)
+
+
+def sglang_fa3_library() -> str | None:
+    """sgl-kernel's FA3 library (``flash_ops``), found without importing sgl_kernel; None if absent."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("sgl_kernel")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    found = sorted(pathlib.Path(spec.origin).parent.glob("flash_ops*.so"))
+    return str(found[0]) if found else None
 
 
 def num_prompts(concurrency: int, per_concurrency: int, minimum: int) -> int:
@@ -219,8 +245,9 @@ def client_command(s: Setup, workload: str, concurrency: int, prompts: int, resu
                 "--num-warmups", str(warmups), "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
                 "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
                 "--result-filename", out.name, "--disable-tqdm"]
+    # "random-ids": random token ids; SGLang's "random" samples ShareGPT prompts, downloaded from the Hub
     return [*CLIENT_CLI["sglang"], "--backend", "sglang", "--base-url", base,
-            "--model", "bench", "--tokenizer", tokenizer_dir(s.model_dir), "--dataset-name", "random",
+            "--model", "bench", "--tokenizer", tokenizer_dir(s.model_dir), "--dataset-name", "random-ids",
             "--random-input-len", str(input_len), "--random-output-len", str(output_len),
             "--random-range-ratio", "1", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
             "--request-rate", "inf", "--warmup-requests", str(warmups), "--seed", str(seed),
@@ -362,17 +389,24 @@ def tail(path: str | os.PathLike, lines: int = 40) -> str:
 DEFAULT_LOG_PATTERNS = {
     # vLLM: "Using FlashInfer GDN prefill kernel (requested=auto, ...)"
     "vllm": re.compile(r"Using (FlashInfer|CuteDSL|Triton/FLA) GDN prefill kernel \(requested=auto"),
-    # SGLang names the linear-attention backend it builds
-    "sglang": re.compile(r"[Ll]inear[- _]attn(?:ention)?[- _](?:prefill[- _])?backend[^\n]*?\b(triton|flashinfer|cutedsl)\b"),
+    # SGLang 0.5.17-0.5.23 (model runner, rank 0): "Linear attention kernel backend: decode=triton,
+    # prefill=triton, verify=triton"
+    "sglang": re.compile(r"Linear attention kernel backend: decode=(\w+), prefill=(\w+)"),
 }
 ENGINE_NAMES = {"FlashInfer": "flashinfer", "CuteDSL": "cutedsl", "Triton/FLA": "triton"}
+# what a fallback of ours to the engine's kernels says in the server's log
+FALLBACK_MARKS = ("falling back", "GDN kernels run instead")
 
 
 def resolve_default(engine: str, log_text: str) -> str | None:
-    """The GDN backend the engine picked with no flag, read from its log."""
+    """The GDN backend the engine picked with no flag, read from its log (SGLang: one name when
+    decode and prefill agree, else ``<prefill> prefill, <decode> decode``)."""
     m = DEFAULT_LOG_PATTERNS[engine].search(log_text)
     if not m:
         return None
+    if engine == "sglang":
+        decode, prefill = m.group(1).lower(), m.group(2).lower()
+        return prefill if prefill == decode else f"{prefill} prefill, {decode} decode"
     return ENGINE_NAMES.get(m.group(1), m.group(1).lower())
 
 
@@ -406,8 +440,12 @@ class Server:
             stop(self.proc)
 
 
-def backend_env(backend: str, tp: int = 1) -> dict:
+def backend_env(backend: str, tp: int = 1, engine: str = "vllm") -> dict:
     env = dict(os.environ)
+    if engine == "sglang":
+        # everything is local; SGLang's client would otherwise look "bench" up on the Hub (its
+        # chat-template check) on every point, which on a machine without internet may hang
+        env.setdefault("HF_HUB_OFFLINE", "1")
     if tp > 1:
         # FlashInfer's mnnvl all-reduce fusion needs NVLink multicast, which the lent machines keep
         # off: it faults in vLLM's profiling run (docs/e2e.md, "Tensor parallelism")
@@ -423,7 +461,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
     """Start one server, measure every point, stop it. Returns (rows, info)."""
     logf = work / f"server-{backend}.log"
     cmd = server_command(s, backend, args.server_arg + profiler_args(s, args, work / f"trace-{backend}"))
-    env = backend_env(backend, s.tp)
+    env = backend_env(backend, s.tp, s.engine)
     log(f"start {s.engine} {backend} tp{s.tp}: {shlex.join(cmd)}")
     server = Server(cmd, env, logf, s.port)
     proc = None
@@ -489,7 +527,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
     finally:
         text = server.log_text()
         info["resolved"] = resolve_default(s.engine, text) if backend == "default" else backend
-        info["fallback"] = "falling back" in text
+        info["fallback"] = any(mark in text for mark in FALLBACK_MARKS)
         server.stop()
         client.close()
     return rows, info
@@ -770,7 +808,7 @@ def main(argv=None) -> int:
     max_len = args.max_len or max(i + o for i, o in (WORKLOADS[w] for w in args.workloads)) + 1024
     work = pathlib.Path(args.work_dir or f"/tmp/qla-serve-{args.engine}-{args.model}-tp{args.tp}")
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = write_model(spec, args.layers, max_len, work / "model")
+    model_dir = write_model(spec, args.layers, max_len, work / "model", full_vocab=args.engine == "sglang")
     s = Setup(args.engine, model_dir, args.tp, max_len, args.port,
               multimodal=spec["architecture"].endswith("ForConditionalGeneration"))
     backends = list(dict.fromkeys(args.backends))

@@ -32,7 +32,33 @@ def _vllm():
     return run
 
 
+def _datasets_or_stand_in() -> str | None:
+    """HF ``datasets``, or a stand-in if it does not import (None, or the reason).
+
+    ``sglang.benchmark.serving`` imports its MMMU dataset module, which imports ``datasets`` at
+    import time; the harness's ``random-ids`` dataset never calls it. On a machine whose pyarrow or
+    fsspec ``datasets`` does not take, a stand-in whose ``load_dataset`` raises lets the client run."""
+    try:
+        import datasets  # noqa: F401
+    except Exception as e:  # noqa: BLE001 -- any failure: ImportError, a pyarrow API it lacks, ...
+        import types
+
+        reason = f"{type(e).__name__}: {e}"
+        stand_in = types.ModuleType("datasets")
+
+        def load_dataset(*args, **kwargs):
+            raise ImportError(f"HF datasets does not import here ({reason}); e2e_bench/serve_client.py put a "
+                              "stand-in in its place for SGLang's client")
+
+        stand_in.load_dataset = load_dataset
+        sys.modules["datasets"] = stand_in
+        print(f"serve_client: HF datasets does not import ({reason}); a stand-in takes its place", file=sys.stderr)
+        return reason
+    return None
+
+
 def _sglang():
+    _datasets_or_stand_in()
     from sglang.benchmark import serving
 
     def run(argv):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 
 import pytest
 
@@ -45,6 +46,66 @@ def test_tokenizer_decodes_words_with_spaces(tmp_path):
     assert serve.tokenizer_dir(d) == str(tmp_path / "m" / "tokenizer")
 
 
+def test_sglang_tokenizer_has_a_word_for_every_model_id(tmp_path):
+    """SGLang's client times the first token at the first chunk with text: every id the model can
+    generate must decode to a word, the end-of-text token keeping its id."""
+    tok = serve.tokenizer_json(5, vocab_size=8)
+    assert tok["model"]["vocab"] == {"w0": 0, "w1": 1, "w2": 2, "w3": 3, "w4": 4, serve.EOS_TEXT: 5, "w6": 6, "w7": 7}
+    assert serve.tokenizer_json(5, vocab_size=3) == serve.tokenizer_json(5)
+    spec = serve.model_spec("qwen3-next-80b-a3b")
+    d = serve.write_model(spec, 4, 2048, tmp_path / "m", full_vocab=True)
+    vocab = json.loads((tmp_path / "m" / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert sorted(vocab.values()) == list(range(spec["vocab_size"])) and vocab[serve.EOS_TEXT] == serve.TOKENIZER_WORDS
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["eos_token_id"] == serve.TOKENIZER_WORDS
+    assert serve.tokenizer_dir(d) == str(tmp_path / "m" / "tokenizer")
+
+
+def test_sglang_gets_triton_attention_without_fa3(tmp_path, monkeypatch):
+    """SGLang's default full attention on Hopper is FA3 (sgl-kernel's flash_ops), which the GPU
+    machine's bundle leaves out: then every SGLang server gets --attention-backend triton."""
+    s = serve.Setup("sglang", str(tmp_path), 1, 4096)
+    monkeypatch.setattr(serve, "sglang_fa3_library", lambda: None)
+    for b in serve.BACKENDS:
+        cmd = serve.server_command(s, b)
+        assert cmd[cmd.index("--attention-backend") + 1] == "triton"
+    assert "--attention-backend" not in serve.server_command(serve.Setup("vllm", str(tmp_path), 1, 4096), "triton")
+    monkeypatch.setattr(serve, "sglang_fa3_library", lambda: "/x/sgl_kernel/flash_ops.abi3.so")
+    assert "--attention-backend" not in serve.server_command(s, "flashqla")
+
+
+def test_fa3_library_is_found_without_importing_sgl_kernel(tmp_path, monkeypatch):
+    pkg = tmp_path / "sgl_kernel"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.delitem(sys.modules, "sgl_kernel", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert serve.sglang_fa3_library() is None
+    (pkg / "flash_ops.abi3.so").write_bytes(b"")
+    assert serve.sglang_fa3_library() == str(pkg / "flash_ops.abi3.so")
+
+
+def test_sglang_client_and_server_stay_off_the_hub(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert serve.backend_env("triton", engine="sglang")["HF_HUB_OFFLINE"] == "1"
+    assert "HF_HUB_OFFLINE" not in serve.backend_env("triton")  # vLLM's servers as before
+    cmd = serve.client_command(serve.Setup("sglang", "/m", 1, 4096), "short", 1, 4, "/r.jsonl", warmups=1)
+    # SGLang's "random" dataset samples ShareGPT prompts (downloaded); "random-ids" draws token ids
+    assert cmd[cmd.index("--dataset-name") + 1] == "random-ids"
+
+
+def test_sglang_client_imports_without_hf_datasets(monkeypatch):
+    """SGLang's client imports HF datasets (its MMMU module) though the random-ids dataset never uses
+    it: where datasets does not import, a stand-in that raises on use takes its place."""
+    from e2e_bench import serve_client
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    assert "datasets" in serve_client._datasets_or_stand_in()
+    from datasets import load_dataset
+
+    with pytest.raises(ImportError, match="stand-in"):
+        load_dataset("x")
+
+
 def test_agreement_counts_tokens_before_the_first_divergence():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert serve.agree_fraction(ref, ref) == 1.0
@@ -63,6 +124,12 @@ def test_default_backend_is_read_from_the_engine_log():
     assert serve.resolve_default("vllm", log.replace("FlashInfer", "Triton/FLA")) == "triton"
     assert serve.resolve_default("vllm", "Using FlashInfer GDN prefill kernel (requested=flashinfer") is None
     assert serve.resolve_default("vllm", "") is None
+    sg = ("server_args=ServerArgs(..., attention_backend='triton', linear_attn_backend='triton', ...)\n"
+          "[2026-11-26 TP0] Linear attention kernel backend: decode=triton, prefill=triton, verify=triton\n")
+    assert serve.resolve_default("sglang", sg) == "triton"
+    assert serve.resolve_default("sglang", sg.replace("prefill=triton", "prefill=flashinfer")) == (
+        "flashinfer prefill, triton decode")
+    assert serve.resolve_default("sglang", sg.splitlines()[0]) is None  # the arguments alone are not the choice
 
 
 def test_sglang_result_takes_the_last_json_line(tmp_path):

@@ -17,7 +17,7 @@ from e2e_bench import serve
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     spec = serve.model_spec("qwen3-next-80b-a3b")
-    d = serve.write_model(spec, 4, 4096, tmp_path_factory.mktemp("qwen3next"))
+    d = serve.write_model(spec, 4, 4096, tmp_path_factory.mktemp("qwen3next"), full_vocab=True)  # as main() does
     return serve.Setup("sglang", d, 1, 4096)
 
 
@@ -37,6 +37,38 @@ def test_server_command_parses_with_sglangs_parser(sglang_plugins, setup, backen
     assert args.load_format == "dummy" and args.tp_size == 1 and args.context_length == 4096
     assert args.linear_attn_backend == (expected or p.get_default("linear_attn_backend"))
     assert not getattr(args, "disable_cuda_graph", False)  # CUDA graphs as SGLang ships them
+
+
+def test_without_fa3_the_server_gets_triton_attention(sglang_plugins, setup, monkeypatch):
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setattr(serve, "sglang_fa3_library", lambda: None)  # the GPU machine's bundle
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    for backend in serve.BACKENDS:
+        args = p.parse_args(serve.server_command(setup, backend)[3:])
+        assert args.attention_backend == "triton"
+    # a --server-arg comes later and wins
+    args = p.parse_args(serve.server_command(setup, "triton", ["--attention-backend", "flashinfer"])[3:])
+    assert args.attention_backend == "flashinfer"
+
+
+def test_default_backend_is_read_from_sglangs_own_log_line(publish_args, capfd):
+    """resolve_default reads the line SGLang's own backend resolution logs (its handler writes to stderr)."""
+    from sglang.srt.layers.attention.linear import utils
+
+    for flags, expected in (((), "triton"), (("--linear-attn-backend", "flashinfer"), "flashinfer"),
+                            (("--linear-attn-prefill-backend", "flashinfer"), "flashinfer prefill, triton decode")):
+        args = publish_args(*flags)
+        capfd.readouterr()
+        if hasattr(utils, "resolve_linear_attn_backends"):  # SGLang >= 0.5.18
+            utils.resolve_linear_attn_backends()
+        else:  # 0.5.17
+            utils.initialize_linear_attn_config(args)
+        err = capfd.readouterr().err
+        assert serve.resolve_default("sglang", err) == expected, err
 
 
 def test_tp_command(sglang_plugins, setup):
@@ -62,8 +94,36 @@ def test_client_command_parses_with_sglangs_bench_serving(setup, tmp_path, monke
         serving.cli_main()
         a = seen[-1]
         assert (a.random_input_len, a.random_output_len, a.max_concurrency, a.num_prompts) == (i, o, 8, 16)
-        assert a.dataset_name == "random" and float(a.random_range_ratio) == 1.0 and a.warmup_requests == 2
+        assert a.dataset_name == "random-ids" and float(a.random_range_ratio) == 1.0 and a.warmup_requests == 2
         assert a.output_file == str(tmp_path / "r.jsonl") and a.tokenizer == serve.tokenizer_dir(setup.model_dir)
+        assert a.backend == "sglang" and a.request_rate == float("inf") and a.disable_tqdm
+
+
+def test_client_prompts_are_exact_and_offline(setup, tmp_path, monkeypatch):
+    """The client's own dataset code on our tokenizer: random token ids (no ShareGPT download),
+    each prompt re-encoding to exactly the workload's input length, and every id the model can
+    generate decoding to text (SGLang's client times the first token at the first non-empty text)."""
+    import numpy as np
+    from sglang.benchmark import serving
+    from sglang.benchmark.datasets import get_dataset
+
+    seen = []
+    monkeypatch.setattr(serving, "run_benchmark", seen.append)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for workload in ("short", "long"):
+        cmd = serve.client_command(setup, workload, 2, 4, str(tmp_path / "r.jsonl"), warmups=1)
+        monkeypatch.setattr(sys, "argv", ["bench_serving", *cmd[3:]])
+        serving.cli_main()
+        args = seen[-1]
+        np.random.seed(args.seed)
+        tokenizer = serving.get_tokenizer(args.tokenizer)
+        rows = get_dataset(args, tokenizer, "bench")
+        i, o = serve.WORKLOADS[workload]
+        assert len(rows) == 4 and {(r.prompt_len, r.output_len) for r in rows} == {(i, o)}
+        assert all(isinstance(r.prompt, str) and len(tokenizer.encode(r.prompt)) == i for r in rows)
+    spec = serve.model_spec("qwen3-next-80b-a3b")
+    assert tokenizer.vocab_size == spec["vocab_size"]
+    assert all(tokenizer.decode([t]) for t in (0, serve.TOKENIZER_WORDS + 1, spec["vocab_size"] - 1))
 
 
 def test_dummy_weights_get_gates_that_remember(sglang_plugins, monkeypatch):
