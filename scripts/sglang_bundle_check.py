@@ -1,8 +1,10 @@
 """CPU-side check of the SGLang bundle (run by ``scripts/sglang_bundle.sh --check``).
 
     sglang_bundle_check.py image OUT_DIR PACKAGE_LIST SITE...   # emulate the GPU image
-    python3.11 -S sglang_bundle_check.py import SITE...          # import what the GPU run needs
+    python3.11 -S sglang_bundle_check.py import SITE...          # import what the GPU run needs,
+                                                                 # then the serving benchmark's steps
     python3 sglang_bundle_check.py gpu                           # the same imports on the GPU machine
+    python3 sglang_bundle_check.py serve                         # and the serving steps there
 
 ``image`` links into OUT_DIR the top-level entries of every distribution that PACKAGE_LIST (the
 image's package names, as KINDS.md lists them) names, taking each from the first SITE that has
@@ -10,10 +12,16 @@ it, so an import that works here does not lean on a package the GPU machine lack
 
 ``import`` puts the SITEs on ``sys.path`` in the given order (first wins, as the stacked bundles
 do on the GPU machine), pretends an SM90 GPU so the import-time ``if _is_cuda:`` branches of
-SGLang and sgl_kernel run, and imports :data:`MODULES`. Exit status 1 names each failure.
+SGLang and sgl_kernel run, and imports :data:`MODULES`; then it runs what the serving benchmark
+(``e2e_bench/serve.py --engine sglang``) does on the CPU side before and around its servers
+(:func:`check_serving`): the harness's server command through SGLang's own argument resolution
+for every backend (with the plugin loaded), the model config and model class SGLang resolves, the
+tokenizer and grammar backend the scheduler builds at start, and the harness's client command
+through ``sglang.bench_serving``'s parser and random dataset. Exit status 1 names each failure.
 
 ``gpu`` imports :data:`MODULES` as they are (bundles loaded, real GPU) and says which sgl_kernel
-library loaded.
+library loaded; ``serve`` does the same and then :func:`check_serving` (a pre-flight of the
+serving benchmark on the GPU machine, from the staged checkout: ``scripts/gpu_stage.sh``).
 """
 
 from __future__ import annotations
@@ -52,7 +60,45 @@ MODULES = [
     "sglang.srt.layers.attention.triton_backend",
     "sglang.srt.layers.attention.hybrid_linear_attn_backend",
     "sglang.srt.layers.attention.linear.kernels.gdn_flashinfer",
+    # the serving benchmark (e2e_bench/serve.py --engine sglang): `python -m sglang.launch_server`
+    # and its HTTP server (FastAPI: form fields need python-multipart at import; the transcription
+    # route needs soundfile), the processes it starts, what they import lazily on the way for
+    # Qwen3-Next / Qwen3.5 MoE (model classes -- SGLang's registry skips a model file that fails
+    # to import --, MoE, the mamba state pool and radix cache, CUDA-graph runners, the grammar
+    # backend the scheduler builds at start, the start-up warm-up), and the client
+    # `python -m sglang.bench_serving` that e2e_bench/serve_client.py imports (HF datasets)
+    "sglang.launch_server",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.entrypoints.openai.serving_completions",
+    "sglang.srt.entrypoints.openai.serving_chat",
+    "sglang.srt.entrypoints.warmup",
+    "sglang.srt.parser.template_manager",
+    "sglang.srt.managers.multi_tokenizer_mixin",
+    "sglang.srt.managers.data_parallel_controller",
+    "sglang.srt.managers.tp_worker",
+    "sglang.srt.managers.schedule_batch",
+    "sglang.srt.managers.io_struct",
+    "sglang.srt.constrained.xgrammar_backend",
+    "sglang.srt.model_loader.loader",
+    "sglang.srt.models.qwen3_next",
+    "sglang.srt.models.qwen3_5",
+    "sglang.srt.layers.moe.fused_moe_triton.layer",
+    "sglang.srt.layers.moe.moe_runner.triton",
+    "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe",
+    "sglang.srt.layers.attention.mamba.mamba",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.mamba_radix_cache",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
+    "sglang.srt.layers.sampler",
+    "sglang.benchmark.serving",
+    "sglang.bench_serving",
+    "e2e_bench.serve",
 ]
+# e2e_bench/models/ name and layer count of the serving benchmark's first SGLang run
+SERVE_MODEL = ("qwen3-next-80b-a3b", 8)
+# SGLang's full-attention backends that need sgl-kernel's FA3 library, which the bundle leaves out
+FA3_BACKENDS = {"fa3", "fa4"}
 VERSIONS = [
     "torch",
     "triton",
@@ -115,6 +161,7 @@ def _pretend_sm90() -> None:
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     torch.cuda.get_device_name = lambda *a, **k: props.name
     torch.cuda.get_device_properties = lambda *a, **k: props
+    torch.cuda.mem_get_info = lambda *a, **k: (props.total_memory - (1 << 30), props.total_memory)
 
 
 def check_imports(sites: list[str] | None) -> int:
@@ -153,13 +200,131 @@ def check_imports(sites: list[str] | None) -> int:
     return 1 if failures else 0
 
 
+def check_serving() -> int:
+    """The serving benchmark's CPU-side steps for SGLang, with the bundle's SGLang (see the module
+    docstring). Returns 1 if one fails."""
+    import tempfile
+
+    from e2e_bench import serve
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as serve.backend_env sets it for SGLang
+    name, layers = SERVE_MODEL
+    spec = serve.model_spec(name)
+    max_len = max(i + o for i, o in serve.WORKLOADS.values()) + 1024
+    # not named qla-serve-*: gpu_session.sh packs those directories
+    scratch = tempfile.TemporaryDirectory(prefix="qla-check-serving-")
+    model_dir = serve.write_model(spec, layers, max_len, scratch.name, full_vocab=True)
+    setup = serve.Setup("sglang", model_dir, 1, max_len)
+    failures = 0
+
+    def step(label, fn):
+        nonlocal failures
+        try:
+            print(f"ok    {label}: {fn()}")
+        except BaseException as e:  # noqa: BLE001 -- report every failure, keep going
+            failures += 1
+            print(f"FAIL  {label}: {type(e).__name__}: {e}")
+            traceback.print_exc(limit=-6)
+
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()  # as `python -m sglang.launch_server` does before it parses its arguments
+    fa3 = serve.sglang_fa3_library()
+    resolved = {}
+
+    def server_args(backend):
+        cmd = serve.server_command(setup, backend)
+        sa = resolved[backend] = prepare_server_args(cmd[3:])
+        attention = {sa.attention_backend, sa.prefill_attention_backend, sa.decode_attention_backend}
+        if fa3 is None and attention & FA3_BACKENDS:
+            raise RuntimeError(f"full attention resolves to {sorted(attention & FA3_BACKENDS)} without "
+                               f"sgl-kernel's FA3 library (command: {' '.join(cmd[3:])})")
+        if backend != "default" and sa.linear_attn_backend != backend:
+            raise RuntimeError(f"--linear-attn-backend resolves to {sa.linear_attn_backend}")
+        return (f"attention {sa.attention_backend}, linear {sa.linear_attn_backend}, mamba cache "
+                f"{getattr(sa, 'mamba_radix_cache_strategy', '?')}, overlap "
+                f"{'off' if sa.disable_overlap_schedule else 'on'}, mem fraction {sa.mem_fraction_static}")
+
+    print(f"      sgl-kernel FA3 library: {fa3}")
+    for backend in serve.BACKENDS:
+        step(f"server args ({backend})", lambda backend=backend: server_args(backend))
+
+    def model():
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.models.registry import ModelRegistry
+
+        mc = ModelConfig.from_server_args(resolved["default"])
+        cls, arch = ModelRegistry.resolve_model_cls(mc.hf_config.architectures)
+        return (f"{arch} -> {cls.__module__}.{cls.__name__}, {mc.num_hidden_layers} layers, "
+                f"vocab {mc.vocab_size}")
+
+    step(f"model config and class ({name}, {layers} layers)", model)
+
+    tokenizer = {}
+
+    def tokenizer_and_grammar():
+        from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
+        from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+        sa = resolved["default"]
+        tok = tokenizer["server"] = get_tokenizer(sa.tokenizer_path, tokenizer_mode=sa.tokenizer_mode,
+                                                  trust_remote_code=sa.trust_remote_code)
+        grammar = create_grammar_backend(sa, tok, spec["vocab_size"], {serve.TOKENIZER_WORDS})
+        words = [tok.decode([i]) for i in (0, serve.TOKENIZER_WORDS + 1, spec["vocab_size"] - 1)]
+        if not all(words):
+            raise RuntimeError(f"ids past the end-of-text token decode to nothing: {words}")
+        return f"{type(tok).__name__} ({len(tok)} ids), grammar backend {type(grammar).__name__}"
+
+    step("server tokenizer and grammar backend", tokenizer_and_grammar)
+
+    def client():
+        import numpy as np
+        from sglang.benchmark import serving
+        from sglang.benchmark.datasets import get_dataset
+
+        from e2e_bench import serve_client
+
+        stand_in = serve_client._datasets_or_stand_in()
+        run = serve_client._sglang()  # what the harness's client process runs per point
+        seen = []
+        real, serving.run_benchmark = serving.run_benchmark, seen.append
+        try:
+            out = []
+            for workload in ("short", "chat"):
+                result = os.path.join(model_dir, "r.jsonl")
+                cmd = serve.client_command(setup, workload, 2, 4, result, warmups=1)
+                run(cmd[len(serve.CLIENT_CLI["sglang"]):])
+                args = seen[-1]
+                np.random.seed(args.seed)
+                tok = serving.get_tokenizer(args.tokenizer)
+                rows = get_dataset(args, tok, "bench")
+                lens = {len(tok.encode(r.prompt)) for r in rows}
+                if lens != {serve.WORKLOADS[workload][0]} or len(rows) != 4:
+                    raise RuntimeError(f"{workload}: {len(rows)} prompts of {lens} tokens, "
+                                       f"expected 4 of {serve.WORKLOADS[workload][0]}")
+                out.append(f"{workload} {len(rows)} x {lens.pop()} tokens")
+        finally:
+            serving.run_benchmark = real
+        note = f" (HF datasets stand-in: {stand_in})" if stand_in else ""
+        return f"{args.dataset_name} dataset: " + ", ".join(out) + note
+
+    step("client command and dataset", client)
+    scratch.cleanup()
+    return 1 if failures else 0
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "image":
         build_image(args[0], args[1], args[2:])
     elif mode == "import":
-        sys.exit(check_imports(args))
+        status = check_imports(args)
+        sys.exit(max(status, check_serving()))
     elif mode == "gpu":
         sys.exit(check_imports(None))
+    elif mode == "serve":
+        status = check_imports(None)
+        sys.exit(max(status, check_serving()))
     else:
-        sys.exit(f"unknown mode {mode!r}: image | import")
+        sys.exit(f"unknown mode {mode!r}: image | import | gpu | serve")
