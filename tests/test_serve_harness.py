@@ -229,3 +229,31 @@ def test_finish_rows_gives_each_backend_and_its_rows_one_agreement():
     serve.finish_rows(rows, infos, "default")
     assert [r["agree_fraction"] for r in rows] == [i["agree_fraction"] for i in infos] == [1.0, 0.5, None]
     assert all(set(serve.ROW_KEYS) <= set(r) for r in rows)
+
+
+def test_gdn_gates_are_drawn_once_per_layer_when_an_inner_module_shares_them():
+    """SGLang's Qwen3-Next layer passes its A_log / dt_bias on to its attention module: one layer,
+    one draw, seeded by the outer module's name (the engines' shared naming)."""
+    import zlib
+
+    import torch
+
+    from qla_serving.bench.gates import gdn_gate_values, init_gdn_gates
+
+    class Inner(torch.nn.Module):
+        def __init__(self, A_log, dt_bias):
+            super().__init__()
+            self.A_log, self.dt_bias = A_log, dt_bias
+
+    class Gdn(torch.nn.Module):
+        def __init__(self, heads):
+            super().__init__()
+            self.A_log = torch.nn.Parameter(torch.zeros(heads))
+            self.dt_bias = torch.nn.Parameter(torch.zeros(heads))
+            self.attn = Inner(self.A_log, self.dt_bias)
+
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([Gdn(8), Gdn(8)])})
+    assert init_gdn_gates(model) == 2
+    A_log, dt_bias = gdn_gate_values(8, zlib.crc32(b"layers.1"))
+    assert torch.equal(model["layers"][1].A_log.data, A_log)
+    assert torch.equal(model["layers"][1].attn.dt_bias.data, dt_bias)

@@ -46,10 +46,14 @@ def init_gdn_gates(model) -> int:
     import torch
 
     layers = 0
+    seen = set()  # SGLang's GDN layer hands its A_log / dt_bias to an inner attention module too
     for name, module in model.named_modules():
         A_log, dt_bias = getattr(module, "A_log", None), getattr(module, "dt_bias", None)
         if not (isinstance(A_log, torch.nn.Parameter) and isinstance(dt_bias, torch.nn.Parameter)):
             continue
+        if id(A_log) in seen:
+            continue
+        seen.add(id(A_log))
         if A_log.shape != dt_bias.shape or A_log.dim() != 1:
             raise ValueError(f"{name}: A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} "
                              "must be equal 1-D (one value per value head)")
