@@ -2,17 +2,18 @@
 kernel library, compiling nothing, and starts as fast as with its default backend.
 
 For each backend and run (``cold``: TileLang's, Triton's, FlashInfer's and vLLM's compile caches
-emptied first; ``warm``: a restart with what the cold run left), one real ``vllm serve`` of the
-serving benchmark's model (``e2e_bench.serve``: same command line, dummy weights, ``flashqla``
+emptied first; ``warm``: a restart with what the cold run left), one real server (``vllm serve`` or
+``python -m sglang.launch_server``) of the serving benchmark's model (``e2e_bench.serve``: same command line, dummy weights, ``flashqla``
 under ``QLA_STRICT=1``) is timed from spawn to ``/health``, then one long request (greedy, token
 ids in) is sent twice: the first on the fresh engine, the second on the warm one. Kernel compiles
 are counted from the server's log: qla-serving's warm-up line (kernels from the library, kernels
 compiled with TileLang) and TileLang's own compile lines.
 
-    python -m e2e_bench.install --backends flashqla default --runs cold warm --out-dir DIR
+    python -m e2e_bench.install --engine vllm --backends flashqla default --runs cold warm --out-dir DIR
 
 Rows of separate calls add up in ``--work-dir`` (one or two servers per 10-minute call);
-``e2e_bench/results/<date>-<gpu>-install.{json,md}`` is written from all rows there.
+``e2e_bench/results/<date>-<gpu>-install.{json,md}`` is written from all rows there, and from the
+rows of earlier results files named with ``--merge`` (another engine's, from another machine).
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def timed_request(s: serve.Setup, prompt: list[int], max_tokens: int) -> tuple[f
 def run_one(s: serve.Setup, backend: str, run: str, work: pathlib.Path, prompt: list[int], max_tokens: int,
             timeout: float) -> dict:
     tilelang_cache = work / "tilelang-cache"
-    env = serve.backend_env(backend)
+    env = serve.backend_env(backend, engine=s.engine)
     env["TILELANG_CACHE_DIR"] = str(tilelang_cache)
     removed = empty_caches(tilelang_cache) if run == "cold" else []
-    log_path = work / f"server-{backend}-{run}.log"
+    log_path = work / f"server-{s.engine}-{backend}-{run}.log"
     server = serve.Server(serve.server_command(s, backend), env, log_path, s.port)
     serve.log(f"start {backend} ({run}): {' '.join(server.cmd)}")
     row = {"backend": backend, "run": run, "caches_emptied": removed}
@@ -105,32 +106,65 @@ def library_info() -> dict:
                            "built_with": lib.manifest.get("built_with")} for lib in libs]}
 
 
+def engine_meta(meta: dict) -> dict:
+    """{engine: {"versions", "command", "notes"}} of a results file's meta (one engine per file
+    before the SGLang rows joined: "engine", "versions", "command", "notes" at the top)."""
+    if "engines" in meta:
+        return meta["engines"]
+    return {meta["engine"]: {k: meta[k] for k in ("versions", "command", "notes") if k in meta}}
+
+
+def merge(meta: dict, rows: list[dict], earlier: list[dict]) -> tuple[dict, list[dict]]:
+    """This run's meta and rows joined with earlier results files' (their engines' rows replaced
+    by this run's where both have the engine)."""
+    engines, all_rows = {}, []
+    for old in earlier:
+        for engine, em in engine_meta(old["meta"]).items():
+            engines[engine] = em
+            all_rows += [dict(r, engine=r.get("engine", engine)) for r in old["rows"]
+                         if r.get("engine", engine) == engine]
+        meta.setdefault("pip_check", old["meta"].get("pip_check", []))
+    for engine in engine_meta(meta):
+        all_rows = [r for r in all_rows if r["engine"] != engine]
+    engines.update(engine_meta(meta))
+    all_rows += rows
+    all_rows.sort(key=lambda r: (r["engine"] != "vllm", r["engine"], r["backend"] != "flashqla", r["backend"],
+                                 r["run"] != "cold"))
+    out = {k: v for k, v in meta.items() if k not in ("engine", "versions", "command", "notes")}
+    out["engines"] = engines
+    return out, all_rows
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
-    v = meta["versions"]
-    lines = [f"# Install proof: {meta['engine']} {v.get(meta['engine'])} serving from the wheel's kernel library "
-             f"(TileLang {v.get('tilelang')} importable), on {meta['gpu']}", "",
-             f"- versions (as the server imports them): {', '.join(f'{k} {v}' for k, v in v.items())}",
+    engines = engine_meta(meta)
+    names = ", ".join(f"{e} {m['versions'].get(e)}" for e, m in engines.items())
+    lines = [f"# Install proof: {names} serving "
+             f"from the wheel's kernel library, on {meta['gpu']}", "",
              f"- kernel library: {json.dumps(meta['library'])}",
              f"- model: {meta['model']} ({meta['layers']} layers), request: {meta['prompt_len']} prompt tokens, "
-             f"{meta['max_tokens']} out", f"- command: `{meta['command']}`", "",
-             "| backend | run | start-up s | first request s | same request, warm s | first / warm | "
-             "library kernels | qla TileLang compiles | TileLang compile lines |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    notes = [f"- {n}" for n in meta.get("notes", [])]
-    checks = [f"- `pip check` on the CPU, fresh venv with {c['install']}: {c['result']} ({c['versions']})"
+             f"{meta['max_tokens']} out"]
+    for engine, m in engines.items():
+        v = m["versions"]
+        lines.append(f"- {engine}: versions (as the server imports them, TileLang {v.get('tilelang')}): "
+                     f"{', '.join(f'{k} {x}' for k, x in v.items())}; command: `{m['command']}`")
+        lines += [f"- {engine}: {n}" for n in m.get("notes", [])]
+    lines += [f"- `pip check` on the CPU, fresh venv with {c['install']}: {c['result']} ({c['versions']})"
               for c in meta.get("pip_check", [])]
-    lines[5:5] = notes + checks
+    lines += ["", "| engine | backend | run | start-up s | first request s | same request, warm s | first / warm | "
+              "library kernels | qla TileLang compiles | TileLang compile lines |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["backend"] + (f" ({r['resolved']})" if r.get("resolved") else "")
-        lines.append(f"| {name} | {r['run']} | {r.get('startup_s')} | {r.get('first_request_s', r.get('error'))} | "
-                     f"{r.get('warm_request_s')} | {r.get('first_over_warm')} | {r.get('library_kernels')} | "
+        lines.append(f"| {r.get('engine', next(iter(engines)))} | {name} | {r['run']} | {r.get('startup_s')} | "
+                     f"{r.get('first_request_s', r.get('error'))} | {r.get('warm_request_s')} | "
+                     f"{r.get('first_over_warm')} | {r.get('library_kernels')} | "
                      f"{r.get('qla_tilelang_compiles')} | {r.get('tilelang_compile_lines')} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", choices=["vllm"], default="vllm")
+    p.add_argument("--engine", choices=list(serve.ENGINES), default="vllm")
     p.add_argument("--model", default="qwen3-next-80b-a3b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--backends", nargs="+", default=["flashqla", "default"])
@@ -140,25 +174,29 @@ def main(argv=None) -> int:
     p.add_argument("--start-timeout", type=float, default=420)
     p.add_argument("--work-dir", default="/tmp/qla-install")
     p.add_argument("--out-dir", default="e2e_bench/results")
+    p.add_argument("--merge", nargs="*", default=[], metavar="FILE.json",
+                   help="earlier results files whose other engines' rows join this one")
+    p.add_argument("--note", action="append", default=[], help="a line about this engine's run (repeatable)")
     args = p.parse_args(argv)
     work = pathlib.Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     max_len = args.prompt_len + 2 * args.max_tokens + 64
-    model_dir = work / "model"
+    model_dir = work / f"model-{args.engine}"
     if not (model_dir / "config.json").is_file():
-        serve.write_model(serve.model_spec(args.model), args.layers, max_len, model_dir)
+        serve.write_model(serve.model_spec(args.model), args.layers, max_len, model_dir,
+                          full_vocab=args.engine == "sglang")
     s = serve.Setup(engine=args.engine, model_dir=str(model_dir), tp=1, max_len=max_len)
     prompt = [random.Random(0).randrange(10, serve.TOKENIZER_WORDS - 10) for _ in range(args.prompt_len)]
     for backend in args.backends:
         for run in args.runs:
-            row = run_one(s, backend, run, work, prompt, args.max_tokens, args.start_timeout)
-            (work / f"row-{backend}-{run}.json").write_text(json.dumps(row))
-    rows = [json.loads(f.read_text()) for f in sorted(work.glob("row-*.json"))]
-    rows.sort(key=lambda r: (r["backend"] != "flashqla", r["backend"], r["run"] != "cold"))
+            row = dict(run_one(s, backend, run, work, prompt, args.max_tokens, args.start_timeout), engine=args.engine)
+            (work / f"row-{args.engine}-{backend}-{run}.json").write_text(json.dumps(row))
+    rows = [json.loads(f.read_text()) for f in sorted(work.glob(f"row-{args.engine}-*.json"))]
     meta = {"engine": args.engine, "gpu": serve.gpu_name(), "versions": serve.versions(args.engine),
             "library": library_info(), "model": args.model, "layers": args.layers, "prompt_len": args.prompt_len,
-            "max_tokens": args.max_tokens, "date": _dt.date.today().isoformat(),
+            "max_tokens": args.max_tokens, "date": _dt.date.today().isoformat(), "notes": args.note,
             "command": "python -m e2e_bench.install " + " ".join(sys.argv[1:] if argv is None else argv)}
+    meta, rows = merge(meta, rows, [json.loads(pathlib.Path(f).read_text()) for f in args.merge])
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{meta['date']}-{serve.slug(meta['gpu'])}-install"

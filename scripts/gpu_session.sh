@@ -64,8 +64,8 @@ for step in "$@"; do
         wheel=${QLA_WHEEL:?the built wheel}; [[ $wheel == /* ]] || wheel=$here/$wheel
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/qla-wheel "$wheel" || exit 1
         cd /tmp/qla-bench && export PYTHONPATH=/tmp/qla-wheel:${PYTHONPATH#"$QLA_STAGE":} && unset QLA_KERNEL_LIBRARY
-        # bundles go on sys.path in the order they were loaded: the engine's pins (QLA_PIN_BUNDLE,
-        # its lib folder) must come before the test bundle's TileLang 0.1.15
+        # bundles go on sys.path in the order they were loaded: the engine's pins (QLA_PIN_BUNDLE, lib folders,
+        # colon-separated) must come before the test bundle's TileLang 0.1.15
         [[ -z ${QLA_PIN_BUNDLE:-} ]] || export QLA_BUNDLES=$QLA_PIN_BUNDLE:$QLA_BUNDLES
         python3 -c "import tilelang, qla_serving; print('tilelang', tilelang.__version__, 'qla_serving from', qla_serving.__file__)"
         python3 -m e2e_bench.install ${QLA_INSTALL_ARGS:-} --out-dir "$OUT"

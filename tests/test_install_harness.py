@@ -1,0 +1,53 @@
+"""The install proof's bookkeeping (e2e_bench/install.py): compile counts read from the servers'
+logs, and one results file holding several engines' rows (no server is started here)."""
+
+import json
+import pathlib
+
+from e2e_bench import install
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "e2e_bench" / "results"
+
+
+def test_compile_counts_from_the_warm_up_line_and_tilelang_log():
+    log = ("[2026-11-26 17:30:12] qla-serving: 2 of 2 warm-up steps done in 26.5 s: 0 kernels from precompiled "
+           "libraries, 4 compiled with TileLang\n"
+           "2026-11-26 17:29:50  [TileLang:tilelang.jit.kernel:INFO] (kernel.py:145): TileLang begins to compile kernel "
+           "`prep`\n"
+           "(EngineCore pid=1) INFO [warmup.py:135] qla-serving: 4 of 4 warm-up steps done in 0.0 s: 4 kernels from "
+           "precompiled libraries, 0 compiled with TileLang\n")
+    assert install.count_compiles(log) == {"library_kernels": 4, "qla_tilelang_compiles": 4, "tilelang_compile_lines": 1}
+
+
+def _meta(engine, versions, notes=()):
+    return {"engine": engine, "gpu": "NVIDIA H100 80GB HBM3", "versions": versions, "library": {"libraries": []},
+            "model": "qwen3-next-80b-a3b", "layers": 8, "prompt_len": 8192, "max_tokens": 16, "date": "2026-11-26",
+            "notes": list(notes), "command": f"python -m e2e_bench.install --engine {engine}"}
+
+
+def test_a_second_engine_joins_the_first_engines_file():
+    vllm_file = {"meta": _meta("vllm", {"vllm": "0.26.0", "tilelang": "0.1.9"}, ["pins first"]),
+                 "rows": [{"backend": "default", "run": "warm", "startup_s": 82.0},
+                          {"backend": "flashqla", "run": "cold", "startup_s": 262.1}]}
+    rows = [{"engine": "sglang", "backend": "flashqla", "run": "cold", "startup_s": 120.0, "library_kernels": 4}]
+    meta, merged = install.merge(_meta("sglang", {"sglang": "0.5.17", "tilelang": "0.1.11"}), rows, [vllm_file])
+    assert set(meta["engines"]) == {"vllm", "sglang"} and "versions" not in meta
+    assert meta["engines"]["vllm"]["notes"] == ["pins first"]
+    assert [(r["engine"], r["backend"], r["run"]) for r in merged] == [
+        ("vllm", "flashqla", "cold"), ("vllm", "default", "warm"), ("sglang", "flashqla", "cold")]
+    text = install.markdown(meta, merged)
+    assert "vllm 0.26.0, sglang 0.5.17" in text.splitlines()[0]
+    assert "| sglang | flashqla | cold | 120.0 |" in text and "TileLang 0.1.11" in text
+    # the same engine measured again replaces its earlier rows, and the merged file merges again
+    again, merged2 = install.merge(_meta("vllm", {"vllm": "0.26.0", "tilelang": "0.1.9"}),
+                                   [{"engine": "vllm", "backend": "flashqla", "run": "warm", "startup_s": 80.0}],
+                                   [{"meta": meta, "rows": merged}])
+    assert [(r["engine"], r["run"]) for r in merged2] == [("vllm", "warm"), ("sglang", "cold")]
+    assert again["engines"]["vllm"]["notes"] == []
+
+
+def test_the_results_file_of_record_reads_back():
+    record = json.loads((RESULTS / "2026-11-26-nvidia-h100-80gb-hbm3-install.json").read_text())
+    meta, rows = install.merge(_meta("sglang", {"sglang": "0.5.17"}), [], [record])
+    assert {r["engine"] for r in rows} == {"vllm"} and len(rows) == len(record["rows"])
+    assert install.markdown(meta, rows).count("| vllm |") == len(rows)
