@@ -40,7 +40,7 @@ import time
 import urllib.error
 import urllib.request
 
-from .vllm_offline import agreeing_prefix
+from .agreement import agree_fraction
 
 HERE = pathlib.Path(__file__).resolve().parent
 MODELS_DIR = HERE / "models"
@@ -280,14 +280,6 @@ def agreement_prompts(n: int, min_len: int, max_len: int, seed: int) -> list[lis
     rng = random.Random(seed)
     lens = [min_len + (max_len - min_len) * i // max(1, n - 1) for i in range(n)]
     return [[rng.randrange(TOKENIZER_WORDS) for _ in range(length)] for length in lens]
-
-
-def agree_fraction(ref: list[list[int]], out: list[list[int]]) -> float | None:
-    """Tokens generated before the first divergence from ``ref``, over all of ``ref``'s tokens."""
-    if not ref or not out or len(ref) != len(out):
-        return None
-    total = sum(len(r) for r in ref)
-    return sum(agreeing_prefix(r, o) for r, o in zip(ref, out)) / total if total else None
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:

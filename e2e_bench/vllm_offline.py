@@ -53,6 +53,10 @@ import sys
 import tempfile
 import time
 
+# run as a script (and as its own worker processes): its folder's modules are importable by name
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from agreement import agreeing_prefix, agreement  # noqa: E402
+
 BACKENDS = ("triton", "flashinfer", "flashqla")
 REFERENCE = ("triton", "off")  # (backend, prefix caching) every run is compared with
 QLA_BACKEND = "flashqla"
@@ -169,44 +173,7 @@ def throughput_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[
     return [[rng.randrange(hi) for _ in range(length)] for _ in range(n)]
 
 
-# ----------------------------------------------------------------------------- metric
-
-
-def agreeing_prefix(ref: list[int], out: list[int]) -> int:
-    """Tokens of ``out`` before the first position where it differs from ``ref``.
-
-    A divergence at position 5 (0-based) counts 5; identical lists count their length; a shorter
-    list that agrees with the other as far as it goes counts its own length.
-    """
-    n = 0
-    for a, b in zip(ref, out):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
-def agreement(ref: list[list[int]], out: list[list[int]]) -> dict:
-    """The agreement of one run with the reference run, prompt by prompt.
-
-    Returns ``agree_tokens`` (the metric: the sum over prompts of :func:`agreeing_prefix`),
-    ``total_tokens`` (the reference's generated tokens), ``agree_frac``, ``exact_prompts``
-    (prompts identical to the reference) and ``first_divergence`` (per prompt, the position of
-    the first differing token, ``None`` where the prompt agrees throughout).
-    """
-    if len(ref) != len(out):
-        raise ValueError(f"{len(out)} outputs against {len(ref)} reference outputs")
-    prefixes = [agreeing_prefix(r, o) for r, o in zip(ref, out)]
-    total = sum(len(r) for r in ref)
-    same = [p == len(r) == len(o) for p, r, o in zip(prefixes, ref, out)]
-    return {
-        "agree_tokens": sum(prefixes),
-        "total_tokens": total,
-        "agree_frac": round(sum(prefixes) / total, 4) if total else 1.0,
-        "exact_prompts": sum(same),
-        "prompts": len(ref),
-        "first_divergence": [None if s else p for s, p in zip(same, prefixes)],
-    }
+# ----------------------------------------------------------------------------- aggregation
 
 
 def run_label(backend: str, prefix_caching: str) -> str:
