@@ -314,6 +314,16 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 "qla-serving: the GDN metadata carries no prefill plan; the layer's attention backend is "
                 "not qla-serving's (was the plugin registered in this process?)"
             )
+        q, k, v, g, beta, l2_in_kernel = self._qla_prefill_inputs(x, a, b)
+        return qla_serving.chunk_gated_delta_rule_pool(
+            q, k, v, g, beta, ssm_state, md.qla_prefill_state_indices,
+            has_initial_state=md.qla_prefill_has_initial_state, scale=self.head_k_dim**-0.5,
+            use_qk_l2norm_in_kernel=l2_in_kernel, plan=md.qla_plan, out=out,
+        )
+
+    def _qla_prefill_inputs(self, x, a, b):
+        """q, k, v, g, beta of the prefill rows from the conv output and the gate inputs (the
+        engine's preparation, not ours), and whether q and k still need their L2 norm."""
         if x.is_cuda:
             from vllm.third_party.flash_linear_attention.ops import fused_post_conv_prep
 
@@ -323,16 +333,10 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 num_k_heads=self.num_k_heads // self.tp_size, head_k_dim=self.head_k_dim,
                 head_v_dim=self.head_v_dim, apply_l2norm=True, output_g_exp=False,
             )
-            l2_in_kernel = False
-        else:
-            q, k, v = self._split_qkv(x)
-            g, beta = gdn_gate_ref(a, b, self.A_log, self.dt_bias, dtype=torch.float32)
-            l2_in_kernel = True
-        return qla_serving.chunk_gated_delta_rule_pool(
-            q, k, v, g, beta, ssm_state, md.qla_prefill_state_indices,
-            has_initial_state=md.qla_prefill_has_initial_state, scale=self.head_k_dim**-0.5,
-            use_qk_l2norm_in_kernel=l2_in_kernel, plan=md.qla_plan, out=out,
-        )
+            return q, k, v, g, beta, False
+        q, k, v = self._split_qkv(x)
+        g, beta = gdn_gate_ref(a, b, self.A_log, self.dt_bias, dtype=torch.float32)
+        return q, k, v, g, beta, True
 
     def _qla_decode(self, x, a, b, ssm_state, state_indices, out) -> None:
         """One token per row, state read and written in place at ``state_indices``."""

@@ -11,31 +11,12 @@ vLLM's real CPU platform through vLLM's platform-plugin entry point group.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
 _REQUIRE = os.environ.get("QLA_REQUIRE_VLLM", "0") == "1"
 
 import torch  # noqa: E402
-
-
-def _register_cpu_platform() -> None:
-    """Make vLLM resolve its real CPU platform on a machine without a GPU.
-
-    The CUDA build of vLLM finds no platform here ("unspecified", which cannot even build a
-    config). The GPU harness's ``select_cpu_platform`` writes a ``vllm.platform_plugins``
-    entry point into a private metadata directory on ``sys.path`` before vLLM is first
-    imported (vLLM's own seam for choosing a platform). Nothing is installed.
-    """
-    import importlib.util
-    import pathlib
-
-    script = pathlib.Path(__file__).resolve().parents[2] / "e2e_bench" / "vllm_offline.py"
-    spec = importlib.util.spec_from_file_location("qla_e2e_vllm_offline_platform", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # standard library imports only; vLLM is not imported
-    module.select_cpu_platform()
 
 
 def _vllm_installed() -> bool:
@@ -46,7 +27,10 @@ def _vllm_installed() -> bool:
 
 
 if _vllm_installed() and not torch.cuda.is_available():
-    _register_cpu_platform()
+    # the CUDA build of vLLM finds no platform without a GPU: select its real CPU platform
+    from qla_vllm_helpers import register_cpu_platform
+
+    register_cpu_platform()
 
 _vllm_error: Exception | None = None
 try:
@@ -72,40 +56,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-from qla_vllm_helpers import QWEN35_TEXT, engine_config  # noqa: E402
+from qla_vllm_helpers import (  # noqa: E402
+    engine_config,
+    init_cpu_distributed,
+    register_plugin,
+    write_qwen35_model_dir,
+)
 
 
 @pytest.fixture(scope="session")
 def qwen35_model_dir(tmp_path_factory):
     """A directory holding only the config.json of a tiny Qwen3.5 model (no weights needed:
     vLLM's config and layer construction read the config)."""
-    from transformers import Qwen3_5Config
-
-    path = tmp_path_factory.mktemp("qwen35")
-    cfg = Qwen3_5Config(
-        text_config=QWEN35_TEXT,
-        vision_config=dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=256),
-    )
-    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
-    cfg.save_pretrained(path)
-    return str(path)
+    return write_qwen35_model_dir(tmp_path_factory.mktemp("qwen35"))
 
 
 @pytest.fixture(scope="session")
 def registered():
     """The plugin registered in this process, as vLLM's plugin loader would do it."""
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()
-    from qla_serving.integrations.vllm.layer import QlaGatedDeltaNetAttention
-    from vllm.model_executor.custom_op import op_registry_oot
-
-    if op_registry_oot.get("QwenGatedDeltaNetAttention") is not QlaGatedDeltaNetAttention:
-        # vLLM's loader found no entry point (package metadata without it): register directly
-        # so the remaining tests still exercise the plugin; test_entry_point reports the gap.
-        from qla_serving.integrations.vllm import register
-
-        register()
+    register_plugin()
     return True
 
 
@@ -114,20 +83,8 @@ def flashqla_config(registered, qwen35_model_dir):
     return engine_config(qwen35_model_dir, gdn_prefill_backend="flashqla")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def distributed(flashqla_config):
     """vLLM's tensor-parallel groups for one CPU process (gloo), as its own CPU tests set up."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-
-    with set_current_vllm_config(flashqla_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-        ensure_model_parallel_initialized(1, 1)
+    init_cpu_distributed(flashqla_config)
     return True

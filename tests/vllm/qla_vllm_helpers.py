@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import socket
 
 # A Qwen3.5-shaped text config (GDN layers with K = V = 128 and GVA 2 -> 4 heads), small.
 QWEN35_TEXT = dict(
@@ -25,6 +26,70 @@ def engine_config(model_dir: str, **kwargs):
     return EngineArgs(**args).create_engine_config()
 
 
+def register_cpu_platform() -> None:
+    """Make vLLM resolve its real CPU platform on a machine without a GPU (before vLLM's
+    platform is first resolved).
+
+    The CUDA build of vLLM finds no platform here ("unspecified", which cannot even build a
+    config). The GPU harness's ``select_cpu_platform`` writes a ``vllm.platform_plugins``
+    entry point into a private metadata directory on ``sys.path`` before vLLM is first
+    imported (vLLM's own seam for choosing a platform). Nothing is installed.
+    """
+    import importlib.util
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "e2e_bench" / "vllm_offline.py"
+    spec = importlib.util.spec_from_file_location("qla_e2e_vllm_offline_platform", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # standard library imports only; vLLM is not imported
+    module.select_cpu_platform()
+
+
+def write_qwen35_model_dir(path, **text_overrides) -> str:
+    """Write the config.json of a tiny Qwen3.5 model (``QWEN35_TEXT`` with ``text_overrides``)
+    into ``path``; no weights: vLLM's config and layer construction read only the config."""
+    from transformers import Qwen3_5Config
+
+    cfg = Qwen3_5Config(
+        text_config={**QWEN35_TEXT, **text_overrides},
+        vision_config=dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=256),
+    )
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    cfg.save_pretrained(path)
+    return str(path)
+
+
+def register_plugin() -> None:
+    """Register the plugin in this process, as vLLM's plugin loader would do it."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    from qla_serving.integrations.vllm.layer import QlaGatedDeltaNetAttention
+
+    if op_registry_oot.get("QwenGatedDeltaNetAttention") is not QlaGatedDeltaNetAttention:
+        # vLLM's loader found no entry point (package metadata without it): register directly
+        # so the remaining tests still exercise the plugin; test_entry_point reports the gap.
+        from qla_serving.integrations.vllm import register
+
+        register()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_cpu_distributed(vllm_config) -> None:
+    """vLLM's tensor-parallel groups for one CPU process (gloo), as its own CPU tests set up."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        ensure_model_parallel_initialized(1, 1)
 
 
 def common_metadata(query_lens, context_lens, slots, device="cpu"):
