@@ -17,24 +17,31 @@ For each backend (``flashqla`` and the engine's default, same model and flags as
     several suffixes, sent once to fill the prefix cache, again after a burst of unrelated long
     prompts (eviction under memory pressure);
 
-* a **speculative** server per ``--spec-tokens`` value (vLLM ``qwen3_next_mtp`` / ``mtp``):
-  greedy speculative decoding is lossless, so its tokens must equal the oracle's.
+* a **speculative** server per ``--spec-tokens`` value (vLLM ``qwen3_next_mtp`` / ``mtp``;
+  SGLang ``NEXTN``, the model's own MTP layer as the draft): greedy speculative decoding is
+  lossless, so its tokens must equal the oracle's.
 
 Every request's greedy tokens are compared with the oracle's: tokens before the first
 divergence, and how many requests diverge within their first 16 tokens (bf16 numerics under
 other batch shapes may diverge late; a state bug diverges early or produces garbage). The engine's
-``/metrics`` give preemptions and prefix-cache hits. Results::
+``/metrics`` give preemptions (SGLang: retracted requests) and prefix-cache hits (tokens). Results::
 
-    e2e_bench/results/<date>-<gpu>-stress-<engine>[-tp<N>].json / .md
+    e2e_bench/results/<date>-<gpu>-stress-<engine>-tp<N>.json / .md
 
     python -m e2e_bench.stress --engine vllm --model qwen3-next-80b-a3b --layers 8 --out-dir "$OUT"
     python -m e2e_bench.stress ... --dry-run     # the plan: requests per scenario, server commands
+
+``--phase`` splits a run over several commands (device calls): ``oracle`` (the oracle servers only),
+``stress`` (the stress servers), ``spec`` (the speculative servers); each later phase reuses the
+oracle's tokens and earlier phases' rows from the work directory, and every results file holds all
+the rows measured there for the same plan.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import pathlib
@@ -48,8 +55,18 @@ from . import serve
 from .vllm_offline import agreeing_prefix
 
 SCENARIOS = ("bad", "abort", "load", "prefix")
+PHASES = ("all", "oracle", "stress", "spec")
 EARLY = 16  # a divergence within a request's first EARLY tokens counts as early
 BLOCK_UNALIGNED_PREFIXES = (97, 1000, 1537, 4099, 12345)
+# abort: prompt lengths of requests dropped before their first token (long, so that the abort can
+# land while the prefill runs: chunked prefill takes it in several steps) and after it; the tokens
+# each asks for (never reached: the abort comes first)
+ABORT_PREFILL_PROMPT, ABORT_DECODE_PROMPT, ABORT_MAX_TOKENS = 16384, 512, 1024
+# abort: the new requests go this long after the aborted ones (SGLang's own abort of a
+# disconnected stream comes 2 s after the disconnect; the explicit /abort_request lands at once)
+AFTER_ABORT_S = 3.0
+# --budget: no server is started with less than this left (a start is 2-5 minutes)
+SERVER_MIN_S = 180.0
 
 
 # ----------------------------------------------------------------------------- requests
@@ -92,10 +109,11 @@ def plan_requests(args) -> dict[str, list[dict]]:
         for i in range(args.aborts):
             # dropped after the first streamed token (mid-decode) or before any (mid-prefill)
             when = "prefill" if i % 2 == 0 else "decode"
-            reqs.append({"id": f"abort-{i}", "prompt": ids(rng, 4096 if when == "prefill" else 512),
-                         "max_tokens": 256, "abort": when})
-        reqs += [{"id": f"after-abort-{i}", "prompt": ids(rng, 300 + 37 * i), "max_tokens": args.max_tokens}
-                 for i in range(args.aborts)]
+            n = min(ABORT_PREFILL_PROMPT, args.max_prompt) if when == "prefill" else ABORT_DECODE_PROMPT
+            reqs.append({"id": f"abort-{i}", "prompt": ids(rng, n), "max_tokens": ABORT_MAX_TOKENS, "abort": when})
+        # then new requests, once the aborted ones have let go of their state slots
+        reqs += [{"id": f"after-abort-{i}", "prompt": ids(rng, 300 + 37 * i), "max_tokens": args.max_tokens,
+                  "at": AFTER_ABORT_S} for i in range(args.aborts)]
         plan["abort"] = reqs
     if "prefix" in args.scenarios:
         reqs = []
@@ -108,18 +126,28 @@ def plan_requests(args) -> dict[str, list[dict]]:
     return plan
 
 
-def bad_requests(max_len: int) -> list[tuple[str, bytes]]:
-    """(name, raw JSON body) of each malformed request, for ``/v1/completions``."""
-    def body(**kw):
-        return json.dumps({"model": "bench", "temperature": 0, **kw}).encode()
+def bad_requests(max_len: int, engine: str = "vllm") -> list[tuple[str, bytes]]:
+    """(name, raw JSON body) of each malformed request, in the engine's request shape (vLLM's
+    ``/v1/completions``, SGLang's ``/generate``: :func:`request_path`)."""
+    if engine == "sglang":
+        def body(prompt, max_tokens):
+            return json.dumps({"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens,
+                                                                        "temperature": 0}}).encode()
+        malformed = b'{"input_ids": [1, 2,'
+        not_utf8 = b'{"text": "\xff\xfe\xfa", "sampling_params": {"max_new_tokens": 4}}'
+    else:
+        def body(prompt, max_tokens):
+            return json.dumps({"model": "bench", "temperature": 0, "prompt": prompt, "max_tokens": max_tokens}).encode()
+        malformed = b'{"model": "bench", "prompt": [1, 2,'
+        not_utf8 = b'{"model": "bench", "prompt": "\xff\xfe\xfa", "max_tokens": 4}'
 
     return [
-        ("empty prompt", body(prompt=[], max_tokens=8)),
-        ("prompt over max_model_len", body(prompt=[5] * (max_len + 16), max_tokens=8)),
-        ("max_tokens 0", body(prompt=[5, 6, 7], max_tokens=0)),
-        ("max_tokens huge", body(prompt=[5, 6, 7], max_tokens=10**9)),
-        ("malformed JSON", b'{"model": "bench", "prompt": [1, 2,'),
-        ("not UTF-8", b'{"model": "bench", "prompt": "\xff\xfe\xfa", "max_tokens": 4}'),
+        ("empty prompt", body([], 8)),
+        ("prompt over max_model_len", body([5] * (max_len + 16), 8)),
+        ("max_tokens 0", body([5, 6, 7], 0)),
+        ("max_tokens huge", body([5, 6, 7], 10**9)),
+        ("malformed JSON", malformed),
+        ("not UTF-8", not_utf8),
     ]
 
 
@@ -127,10 +155,12 @@ def bad_requests(max_len: int) -> list[tuple[str, bytes]]:
 
 
 async def http(port: int, method: str, path: str, body: bytes = b"", timeout: float = 600,
-               abort_after: str | None = None) -> tuple[int, bytes]:
-    """One HTTP/1.1 request on its own connection; ``abort_after`` "prefill" closes it right after
-    sending, "decode" after the first streamed chunk (the client's disconnect). Returns (status, body);
-    status 0 for an aborted request, -1 for a connection error."""
+               abort_after: str | None = None, before_close=None) -> tuple[int, bytes]:
+    """One HTTP/1.1 request on its own connection; ``abort_after`` "prefill" drops it once the
+    response has begun (the server has the request) and before any token, "decode" after the first
+    streamed chunk (the client's disconnect); ``before_close`` (a coroutine function) is awaited
+    just before the drop (SGLang: its ``/abort_request``). Returns (status, body); status 0 for a
+    dropped request, -1 for a connection error."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 30)
     except (OSError, asyncio.TimeoutError):
@@ -141,11 +171,22 @@ async def http(port: int, method: str, path: str, body: bytes = b"", timeout: fl
         writer.write(head + body)
         await writer.drain()
         if abort_after == "prefill":
+            if before_close is not None:
+                # SGLang sends a stream's headers at once and takes the request up as the body
+                # starts: wait for them, so that the abort finds the request
+                try:
+                    await asyncio.wait_for(reader.readline(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
             await asyncio.sleep(0.05)
+            if before_close is not None:
+                await before_close()
             return 0, b""
         status_line = await asyncio.wait_for(reader.readline(), timeout)
         if abort_after == "decode":
             await asyncio.wait_for(reader.readuntil(b"data:"), timeout)
+            if before_close is not None:
+                await before_close()
             return 0, b""
         data = await asyncio.wait_for(reader.read(), timeout)
         status = int(status_line.split()[1]) if status_line.startswith(b"HTTP/") else -1
@@ -153,7 +194,8 @@ async def http(port: int, method: str, path: str, body: bytes = b"", timeout: fl
         if b"transfer-encoding: chunked" in data.split(b"\r\n\r\n", 1)[0].lower():
             payload = dechunk(payload)
         return status, payload
-    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError):
+    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+            ValueError, IndexError):
         return -1, b""
     finally:
         writer.close()
@@ -170,13 +212,25 @@ def dechunk(raw: bytes) -> bytes:
     return out
 
 
+def request_path(engine: str) -> str:
+    return "/v1/completions" if engine == "vllm" else "/generate"
+
+
+def rid(req: dict) -> str:
+    """The request id the harness gives SGLang (its ``/abort_request`` takes it)."""
+    return f"stress-{req['id']}"
+
+
 def completion_body(engine: str, req: dict, stream: bool = False) -> tuple[str, bytes]:
     if engine == "vllm":
-        return "/v1/completions", json.dumps({
+        return request_path(engine), json.dumps({
             "model": "bench", "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "stream": stream}).encode()
-    return "/generate", json.dumps({"input_ids": req["prompt"], "stream": stream, "sampling_params": {
-        "max_new_tokens": req["max_tokens"], "temperature": 0, "ignore_eos": True}}).encode()
+    body = {"input_ids": req["prompt"], "stream": stream, "sampling_params": {
+        "max_new_tokens": req["max_tokens"], "temperature": 0, "ignore_eos": True}}
+    if req.get("abort"):
+        body["rid"] = rid(req)
+    return request_path(engine), json.dumps(body).encode()
 
 
 def output_tokens(engine: str, payload: bytes) -> list[int] | None:
@@ -187,16 +241,44 @@ def output_tokens(engine: str, payload: bytes) -> list[int] | None:
         return None
 
 
-async def run_requests(engine: str, port: int, reqs: list[dict], concurrent: bool) -> dict[str, dict]:
-    """Send ``reqs`` (at their ``at`` times when concurrent, else one after another)."""
+def finish_reason(engine: str, payload: bytes) -> str | None:
+    """Why the engine ended the request ("length", "stop", "abort", ...), None if it does not say.
+    An engine that aborts a request itself (out of memory, say) still answers 200 with the tokens
+    it made: :func:`summarize` counts those as failed, not compared."""
+    try:
+        data = json.loads(payload)
+        if engine == "vllm":
+            return data["choices"][0].get("finish_reason")
+        reason = data["meta_info"]["finish_reason"]
+        return reason.get("type") if isinstance(reason, dict) else reason
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+async def run_requests(engine: str, port: int, reqs: list[dict], concurrent: bool,
+                       deadline: float | None = None) -> dict[str, dict]:
+    """Send ``reqs`` (at their ``at`` times when concurrent, else one after another), each with a
+    600 s timeout that ends at ``deadline`` (``time.monotonic()``) at the latest. SGLang's dropped
+    requests are also aborted through its ``/abort_request`` (vLLM aborts on the disconnect;
+    SGLang does too, but 2 s later)."""
     results: dict[str, dict] = {}
 
     async def one(req):
         if concurrent and req.get("at"):
             await asyncio.sleep(req["at"])
+        timeout = 600.0 if deadline is None else max(1.0, min(600.0, deadline - time.monotonic()))
         path, body = completion_body(engine, req, stream=bool(req.get("abort")))
-        status, payload = await http(port, "POST", path, body, abort_after=req.get("abort"))
-        results[req["id"]] = {"status": status, "tokens": output_tokens(engine, payload) if status == 200 else None}
+        out: dict = {}
+        before_close = None
+        if engine == "sglang" and req.get("abort"):
+            async def before_close():
+                out["abort_status"], _ = await http(port, "POST", "/abort_request",
+                                                    json.dumps({"rid": rid(req)}).encode(), timeout=30)
+        status, payload = await http(port, "POST", path, body, timeout=timeout, abort_after=req.get("abort"),
+                                     before_close=before_close)
+        ok = status == 200
+        results[req["id"]] = {"status": status, "tokens": output_tokens(engine, payload) if ok else None,
+                              "finish": finish_reason(engine, payload) if ok else None, **out}
 
     if concurrent:
         await asyncio.gather(*(one(r) for r in reqs))
@@ -210,9 +292,8 @@ async def run_bad(engine: str, port: int, max_len: int) -> list[dict]:
     """Each bad request, then ``/health`` and one good request: the server must keep serving."""
     out = []
     good = {"id": "good", "prompt": [11, 12, 13], "max_tokens": 4}
-    for name, body in bad_requests(max_len):
-        path = "/v1/completions" if engine == "vllm" else "/generate"
-        status, payload = await http(port, "POST", path, body, timeout=120)
+    for name, body in bad_requests(max_len, engine):
+        status, payload = await http(port, "POST", request_path(engine), body, timeout=120)
         health, _ = await http(port, "GET", "/health", timeout=60)
         gpath, gbody = completion_body(engine, good)
         gstatus, _ = await http(port, "POST", gpath, gbody, timeout=120)
@@ -221,20 +302,32 @@ async def run_bad(engine: str, port: int, max_len: int) -> list[dict]:
     return out
 
 
-METRICS = {"preemptions": "vllm:num_preemptions", "prefix_cache_hits": "vllm:prefix_cache_hits",
-           "prefix_cache_queries": "vllm:prefix_cache_queries", "requests_ok": "vllm:request_success"}
+# Prometheus counters per engine (summed over label sets; a counter's ``_total`` suffix is dropped
+# before matching). vLLM counts prefix-cache queries and hits in tokens; SGLang counts the prompt
+# tokens of every finished request and, of those, the ones its radix cache supplied
+# (``cached_tokens``, by cache source), and calls a preemption a retraction (decode out of memory:
+# the request goes back to the queue and is recomputed). SGLang's ``num_requests`` counts every
+# finished request, aborted ones included (those also in ``num_aborted_requests``).
+METRICS = {
+    "vllm": {"preemptions": "vllm:num_preemptions", "prefix_cache_hits": "vllm:prefix_cache_hits",
+             "prefix_cache_queries": "vllm:prefix_cache_queries", "requests_ok": "vllm:request_success"},
+    "sglang": {"preemptions": "sglang:num_retracted_requests", "prefix_cache_hits": "sglang:cached_tokens",
+               "prefix_cache_queries": "sglang:prompt_tokens", "requests_ok": "sglang:num_requests",
+               "requests_aborted": "sglang:num_aborted_requests"},
+}
 
 
-def parse_metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str, engine: str = "vllm") -> dict[str, float]:
     """Sums of the engine's Prometheus counters we report (all label sets)."""
-    out = dict.fromkeys(METRICS, 0.0)
+    names = METRICS[engine]
+    out = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         if line.startswith("#"):
             continue
-        m = re.match(r"([a-zA-Z_:]+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", line.strip())
+        m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$", line.strip())
         if not m:
             continue
-        for key, name in METRICS.items():
+        for key, name in names.items():
             if m.group(1) == name:
                 out[key] += float(m.group(2))
     return out
@@ -246,9 +339,9 @@ def parse_metrics(text: str) -> dict[str, float]:
 def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> dict:
     """Agreement of ``got`` with ``oracle`` over the request ids both completed."""
     before, early, compared = [], 0, 0
-    for rid in ids_:
-        o, g = (oracle.get(rid) or {}).get("tokens"), (got.get(rid) or {}).get("tokens")
-        if not o or g is None:
+    for rid_ in ids_:
+        o, g = (oracle.get(rid_) or {}).get("tokens"), (got.get(rid_) or {}).get("tokens")
+        if not o or g is None or (got.get(rid_) or {}).get("finish") == "abort":
             continue
         compared += 1
         n = agreeing_prefix(o, g)
@@ -261,27 +354,53 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> d
 
 def summarize(engine: str, plan: dict, oracle: dict, got: dict, scenario: str) -> dict:
     reqs = plan[scenario]
-    st = [got.get(r["id"], {}).get("status") for r in reqs if not r.get("abort")]
-    row = {"scenario": scenario, "sent": len(reqs), "completed": sum(s == 200 for s in st),
+    res = [got.get(r["id"], {}) for r in reqs if not r.get("abort")]
+    st = [g.get("status") for g in res]
+    served_abort = sum(1 for g in res if g.get("status") == 200 and g.get("finish") == "abort")
+    row = {"scenario": scenario, "sent": len(reqs), "completed": sum(s == 200 for s in st) - served_abort,
            "aborted": sum(1 for r in reqs if r.get("abort")),
            "failed_clean": sum(1 for s in st if s is not None and 400 <= s < 500),
-           "failed_other": sum(1 for s in st if s is None or s < 0 or s >= 500)}
+           "failed_other": sum(1 for s in st if s is None or s < 0 or s >= 500) + served_abort}
+    if served_abort:
+        row["aborted_by_server"] = served_abort
+    calls = [got.get(r["id"], {}).get("abort_status") for r in reqs if r.get("abort")]
+    if any(c is not None for c in calls):
+        row["abort_endpoint_ok"] = sum(c == 200 for c in calls)
     row.update(compare(oracle, got, [r["id"] for r in reqs if not r.get("abort")]))
     return row
 
 
-# ----------------------------------------------------------------------------- the run
+# ----------------------------------------------------------------------------- servers
 
 
-def cache_args(engine: str) -> list[str]:
+def oracle_args(engine: str) -> list[str]:
+    """The oracle server computes every request from scratch: SGLang's radix cache is on by
+    default and would serve the prefix scenario's shared prefixes from the cache (vLLM 0.26 leaves
+    its prefix cache off for hybrid GDN models)."""
+    return ["--disable-radix-cache"] if engine == "sglang" else []
+
+
+def cache_args(engine: str, backend: str = "flashqla") -> list[str]:
     """The stress server's prefix cache: vLLM 0.26 leaves it off for hybrid GDN models (its "align"
-    mode must be asked for); SGLang's radix cache is on, with the mamba strategy the issue names."""
+    mode must be asked for); SGLang's radix cache is on, with the mamba strategy the issue names
+    (``extra_buffer``; the flag was ``--mamba-scheduler-strategy`` before SGLang 0.5.17 renamed it,
+    and 0.5.20 dropped the old name). SGLang refuses ``extra_buffer`` for its flashinfer GDN
+    kernels (``no_buffer`` only), so that backend keeps SGLang's own choice."""
     if engine == "vllm":
         return ["--enable-prefix-caching"]
-    return ["--mamba-scheduler-strategy", "extra_buffer"]
+    return [] if backend == "flashinfer" else ["--mamba-radix-cache-strategy", "extra_buffer"]
+
+
+def metrics_args(engine: str) -> list[str]:
+    """SGLang serves ``/metrics`` only when asked (vLLM always does)."""
+    return ["--enable-metrics"] if engine == "sglang" else []
 
 
 def spec_args(engine: str, model_type: str, k: int) -> list[str]:
+    """MTP speculative decoding with ``k`` draft tokens per step. SGLang: ``NEXTN`` (which it
+    resolves to ``EAGLE``) loads the target's own config as the draft, as
+    ``Qwen3NextForCausalLMMTP`` (one MTP layer; ``--load-format dummy`` applies to it too);
+    ``k`` steps of a linear chain verify ``k + 1`` tokens."""
     if engine == "vllm":
         method = "qwen3_next_mtp" if model_type == "qwen3_next" else "mtp"
         return ["--speculative-config", json.dumps({"method": method, "num_speculative_tokens": k})]
@@ -289,109 +408,219 @@ def spec_args(engine: str, model_type: str, k: int) -> list[str]:
             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
 
 
-def plan_key(plan: dict) -> str:
-    import hashlib
+def server_commands(s: serve.Setup, backend: str, args, model_type: str) -> dict[str, list[str]]:
+    """Every server one backend's run starts, by tag: ``oracle``, ``stress``, ``spec<k>``
+    (``serve.server_command``: the serving benchmark's command, backend flag and all, plus these
+    servers' own arguments; ``--server-arg`` comes last and wins)."""
+    e = s.engine
+    stress = (cache_args(e, backend) if "prefix" in args.scenarios else []) + metrics_args(e)
+    cmds = {"oracle": serve.server_command(s, backend, oracle_args(e) + args.server_arg),
+            "stress": serve.server_command(s, backend, stress + args.server_arg)}
+    for k in args.spec_tokens:
+        cmds[f"spec{k}"] = serve.server_command(s, backend, spec_args(e, model_type, k) + metrics_args(e)
+                                                + args.server_arg)
+    return cmds
 
+
+def plan_key(plan: dict) -> str:
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Path, model_type: str) -> list[dict]:
-    env = serve.backend_env(backend, s.tp)
-    rows = []
+def run_key(args, plan: dict) -> str:
+    """What the oracle's tokens and the saved rows are valid for: the plan and the servers."""
+    what = {"plan": plan_key(plan), "engine": args.engine, "model": args.model, "layers": args.layers,
+            "tp": args.tp, "server_args": args.server_arg}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- saved parts
+
+
+def part_path(work: pathlib.Path, backend: str, part: str) -> pathlib.Path:
+    return work / f"rows-{backend}-{part}.json"
+
+
+def save_part(work: pathlib.Path, key: str, backend: str, part: str, rows: list[dict], info: dict) -> None:
+    part_path(work, backend, part).write_text(json.dumps({"key": key, "rows": rows, "info": info}))
+
+
+def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
+    """Every part saved in ``work`` for ``key``: a failed oracle, the stress server, then spec by k."""
+    found = []
+    for backend in backends:
+        for path in work.glob(f"rows-{backend}-*.json"):
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                part = path.stem[len(f"rows-{backend}-"):]
+                order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (2, int(part[4:]) if part[4:].isdigit() else 99)
+                found.append((order, {"backend": backend, "part": part, **saved}))
+    return [p for _, p in sorted(found, key=lambda t: (list(backends).index(t[1]["backend"]), t[0]))]
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+class Budget:
+    """Seconds left of ``--budget`` (0: none)."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds if seconds else float("inf")
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def timeout(self, most: float) -> float:
+        return max(1.0, min(most, self.left() - 15))
+
+    def deadline(self) -> float | None:
+        """When requests must have answered (15 s before the end), None without a budget."""
+        return None if self.end == float("inf") else self.end - 15
+
+
+def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Path, model_type: str,
+                key: str, budget: Budget) -> list[dict]:
+    """This call's phases for one backend; each server's rows are saved in ``work`` as they come.
+    Returns the rows of servers that could not run (errors, or left out for the budget)."""
+    env = serve.backend_env(backend, s.tp, s.engine)
+    cmds = server_commands(s, backend, args, model_type)
+    problems: list[dict] = []
     everything = [r for reqs in plan.values() for r in reqs if not r.get("abort")]
 
-    def server(tag, extra):
-        cmd = serve.server_command(s, backend, args.server_arg + extra)
-        serve.log(f"start {backend} {tag}: {shlex.join(cmd)}")
-        return serve.Server(cmd, env, work / f"server-{backend}-{tag}.log", s.port)
+    def info(tag, srv) -> dict:
+        text = srv.log_text()
+        call = shlex.join(["python", "-m", "e2e_bench.stress", *getattr(args, "argv", [])])
+        return {"command": shlex.join(cmds[tag]), "call": call,
+                "resolved": serve.resolve_default(s.engine, text) if backend == "default" else backend,
+                "fallback": any(mark in text for mark in serve.FALLBACK_MARKS)}
+
+    def failed(tag, srv, error) -> None:
+        """A failure is saved like a part (a later call that gets further replaces it), so that the
+        results file of a split run still shows it."""
+        row = {"backend": backend, "scenario": tag, "error": error, "crashed": not srv.alive(),
+               "log_tail": serve.tail(srv.log_path, 20)}
+        save_part(work, key, backend, tag, [row], info(tag, srv))
+
+    def start(tag) -> serve.Server | None:
+        if budget.left() < SERVER_MIN_S:
+            serve.log(f"budget: {backend} {tag} left out ({budget.left():.0f} s left)")
+            problems.append({"backend": backend, "scenario": tag, "error": "left out (budget)"})
+            return None
+        serve.log(f"start {backend} {tag}: {shlex.join(cmds[tag])}")
+        srv = serve.Server(cmds[tag], env, work / f"server-{backend}-{tag}.log", s.port)
+        if srv.start(budget.timeout(args.start_timeout)):
+            serve.log(f"healthy {backend} {tag} after {time.monotonic() - srv.started:.0f} s")
+            return srv
+        serve.log(f"FAILED {backend} {tag} start:\n{serve.tail(srv.log_path)}")
+        failed(tag, srv, "server did not start")  # crashed: it exited (else it did not answer in time)
+        srv.stop()
+        return None
+
+    def metrics() -> dict:
+        status, text = asyncio.run(http(s.port, "GET", "/metrics", timeout=60))
+        return parse_metrics(text.decode(errors="replace"), s.engine) if status == 200 else {}
 
     # the oracle: each request alone on a fresh server (kept in the work directory, so a run can be
-    # split into an oracle call and a stress call)
+    # split into an oracle call and later calls)
     oracle_file = work / f"oracle-{backend}.json"
-    key = plan_key(plan)
     saved = json.loads(oracle_file.read_text()) if oracle_file.is_file() else {}
     if saved.get("key") == key:
         oracle = saved["results"]
         serve.log(f"oracle {backend}: reusing {oracle_file}")
     else:
-        srv = server("oracle", [])
+        srv = start("oracle")
+        if srv is None:
+            return problems
         try:
-            if not srv.start(args.start_timeout):
-                serve.log(f"FAILED oracle start {backend}:\n{serve.tail(srv.log_path)}")
-                return [{"backend": backend, "scenario": "oracle", "error": "server did not start"}]
-            oracle = asyncio.run(run_requests(s.engine, s.port, everything, concurrent=False))
-            oracle_file.write_text(json.dumps({"key": key, "results": oracle}))
-            serve.log(f"oracle {backend}: {sum(v['status'] == 200 for v in oracle.values())} of {len(everything)}")
+            oracle = asyncio.run(run_requests(s.engine, s.port, everything, concurrent=False,
+                                              deadline=budget.deadline()))
+            done = sum(v["status"] == 200 for v in oracle.values())
+            serve.log(f"oracle {backend}: {done} of {len(everything)}")
+            if done == len(everything):  # a partial oracle is not kept: the next call redoes it
+                oracle_file.write_text(json.dumps({"key": key, "results": oracle, "info": info("oracle", srv)}))
+                part_path(work, backend, "oracle").unlink(missing_ok=True)
+            else:
+                failed("oracle", srv, f"{done} of {len(everything)} oracle requests answered")
         finally:
             srv.stop()
     if args.phase == "oracle":
-        return []
+        return problems
 
-    srv = server("stress", cache_args(s.engine) if "prefix" in args.scenarios else [])
-    try:
-        if not srv.start(args.start_timeout):
-            return [{"backend": backend, "scenario": "stress", "error": "server did not start"}]
-        for scenario in args.scenarios:
-            t0 = time.monotonic()
-            if scenario == "bad":
-                bad = asyncio.run(run_bad(s.engine, s.port, s.max_len))
-                rows.append({"backend": backend, "scenario": "bad", "sent": len(bad),
-                             "no_5xx": sum(0 < b["status"] < 500 for b in bad),
-                             "served_after": sum(b["healthy_after"] and b["serves_after"] for b in bad),
-                             "requests": bad, "crashed": not srv.alive()})
-            else:
-                concurrent = scenario != "prefix"
-                got = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent))
-                if scenario == "prefix":  # again, after unrelated long prompts push the cache out
-                    flood = [{"id": f"flood-{i}", "prompt": ids(random.Random(i), args.max_prompt),
-                              "max_tokens": 1} for i in range(args.flood)]
-                    asyncio.run(run_requests(s.engine, s.port, flood, concurrent=True))
-                    again = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent=True))
-                    row2 = summarize(s.engine, plan, oracle, again, scenario)
-                    row2.update(backend=backend, scenario="prefix-after-eviction", crashed=not srv.alive())
-                row = summarize(s.engine, plan, oracle, got, scenario)
-                row.update(backend=backend, crashed=not srv.alive())
-                rows.append(row)
-                if scenario == "prefix":
-                    rows.append(row2)
-            rows[-1]["seconds"] = round(time.monotonic() - t0, 1)
-            serve.log(f"{backend} {scenario}: {json.dumps({k: v for k, v in rows[-1].items() if k != 'requests'})}")
-            if not srv.alive():
-                serve.log(f"server {backend} died in {scenario}:\n{serve.tail(srv.log_path)}")
-                break
-        status, text = asyncio.run(http(s.port, "GET", "/metrics", timeout=60))
-        metrics = parse_metrics(text.decode(errors="replace")) if status == 200 else {}
-        for r in rows:
-            r["server_metrics"] = metrics
-    finally:
-        srv.stop()
+    if args.phase in ("all", "stress"):
+        srv = start("stress")
+        if srv is not None:
+            rows = []
+            try:
+                for scenario in args.scenarios:
+                    t0 = time.monotonic()
+                    if scenario == "bad":
+                        bad = asyncio.run(run_bad(s.engine, s.port, s.max_len))
+                        rows.append({"backend": backend, "scenario": "bad", "sent": len(bad),
+                                     "no_5xx": sum(0 < b["status"] < 500 for b in bad),
+                                     "served_after": sum(b["healthy_after"] and b["serves_after"] for b in bad),
+                                     "requests": bad, "crashed": not srv.alive(),
+                                     "seconds": round(time.monotonic() - t0, 1)})
+                    else:
+                        concurrent = scenario != "prefix"
+                        got = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent,
+                                                       deadline=budget.deadline()))
+                        row = summarize(s.engine, plan, oracle, got, scenario)
+                        row.update(backend=backend, crashed=not srv.alive(), seconds=round(time.monotonic() - t0, 1))
+                        rows.append(row)
+                        if scenario == "prefix":  # again, after unrelated long prompts push the cache out
+                            t0 = time.monotonic()
+                            flood = [{"id": f"flood-{i}", "prompt": ids(random.Random(i), args.max_prompt),
+                                      "max_tokens": 1} for i in range(args.flood)]
+                            asyncio.run(run_requests(s.engine, s.port, flood, concurrent=True,
+                                                     deadline=budget.deadline()))
+                            again = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent=True,
+                                                             deadline=budget.deadline()))
+                            row2 = summarize(s.engine, plan, oracle, again, scenario)
+                            row2.update(backend=backend, scenario="prefix-after-eviction", crashed=not srv.alive(),
+                                        seconds=round(time.monotonic() - t0, 1))
+                            rows.append(row2)
+                    serve.log(f"{backend} {scenario}: "
+                              f"{json.dumps({k: v for k, v in rows[-1].items() if k != 'requests'})}")
+                    if not srv.alive():
+                        serve.log(f"server {backend} died in {scenario}:\n{serve.tail(srv.log_path)}")
+                        break
+                m = metrics() if srv.alive() else {}
+                for r in rows:
+                    r["server_metrics"] = m
+                save_part(work, key, backend, "stress", rows, info("stress", srv))
+            finally:
+                srv.stop()
 
-    for k in args.spec_tokens:
-        srv = server(f"spec{k}", spec_args(s.engine, model_type, k))
-        try:
-            if not srv.start(args.start_timeout):
-                rows.append({"backend": backend, "scenario": f"spec-{k}", "error": "server did not start",
-                             "log_tail": serve.tail(srv.log_path, 20)})
+    if args.phase in ("all", "spec"):
+        for k in args.spec_tokens:
+            tag = f"spec{k}"
+            srv = start(tag)
+            if srv is None:
                 continue
-            # mixed batches: requests with and without drafts come from one concurrent stream
-            reqs = [r for r in everything if len(r["prompt"]) <= args.spec_max_prompt][: args.spec_requests]
-            got = asyncio.run(run_requests(s.engine, s.port, [{**r, "at": 0.02 * i} for i, r in enumerate(reqs)],
-                                           concurrent=True))
-            row = summarize(s.engine, {"spec": reqs}, oracle, got, "spec")
-            row.update(backend=backend, scenario=f"spec-{k}", crashed=not srv.alive())
-            rows.append(row)
-            serve.log(f"{backend} spec-{k}: {json.dumps(row)}")
-        finally:
-            srv.stop()
-    return rows
+            try:
+                # mixed batches: requests with and without drafts come from one concurrent stream
+                reqs = [r for r in everything if len(r["prompt"]) <= args.spec_max_prompt][: args.spec_requests]
+                got = asyncio.run(run_requests(s.engine, s.port, [{**r, "at": 0.02 * i} for i, r in enumerate(reqs)],
+                                               concurrent=True, deadline=budget.deadline()))
+                row = summarize(s.engine, {"spec": reqs}, oracle, got, "spec")
+                row.update(backend=backend, scenario=f"spec-{k}", crashed=not srv.alive())
+                row["server_metrics"] = metrics() if srv.alive() else {}
+                serve.log(f"{backend} spec-{k}: {json.dumps(row)}")
+                save_part(work, key, backend, tag, [row], info(tag, srv))
+            finally:
+                srv.stop()
+    return problems
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# Stress: {meta['engine']} TP {meta['tp']} on {meta['gpu']}", "", f"Model: {meta['model']}", "",
-             f"Command: `{meta['command']}`", "",
-             "| backend | scenario | sent | completed | aborted | failed 4xx | failed other | crashed | compared | "
-             "mean tokens before divergence | diverged within 16 | preemptions | prefix hits |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Command: `{meta['command']}`", ""]
+    if meta.get("backends"):
+        lines += ["| backend | resolved | fallback |", "|---|---|---|"]
+        lines += [f"| {b} | {i.get('resolved')} | {i.get('fallback')} |" for b, i in meta["backends"].items()]
+        lines.append("")
+    lines += [("| backend | scenario | sent | completed | aborted | failed 4xx | failed other | crashed | compared | "
+               "mean tokens before divergence | diverged within 16 | preemptions | prefix hits |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r.get("server_metrics") or {}
         if r["scenario"] == "bad":
@@ -415,8 +644,7 @@ def parse_args(argv):
     p.add_argument("--model", default="qwen3-next-80b-a3b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--backends", nargs="+", choices=("flashqla", "default", "flashinfer", "triton"),
-                   default=["flashqla", "default"])
+    p.add_argument("--backends", nargs="+", choices=serve.BACKENDS, default=["flashqla", "default"])
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--requests", type=int, default=2000, help="load: requests")
     p.add_argument("--rate", type=float, default=40.0, help="load: Poisson arrivals per second")
@@ -432,11 +660,16 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8321)
     p.add_argument("--start-timeout", type=float, default=480)
+    p.add_argument("--budget", type=float, default=0,
+                   help=f"seconds for this call (0: none): no server starts with less than {SERVER_MIN_S:.0f} s "
+                        "left, and the requests' timeouts end with it")
     p.add_argument("--server-arg", action="append", default=[])
     p.add_argument("--out-dir", default=str(serve.RESULTS_DIR))
     p.add_argument("--work-dir", default="")
-    p.add_argument("--phase", choices=("all", "oracle"), default="all",
-                   help="oracle: run only the oracle servers (their tokens stay in the work dir for the next call)")
+    p.add_argument("--phase", choices=PHASES, default="all",
+                   help="oracle: the oracle servers only (their tokens stay in the work dir for the next call); "
+                        "stress / spec: the stress or the speculative servers only (after the oracle, reused "
+                        "or run first); the results file holds every part measured in the work dir")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     for name in ("requests", "aborts", "suffixes", "max_prompt", "max_tokens"):
@@ -446,39 +679,63 @@ def parse_args(argv):
         p.error(f"--rate {args.rate}: must be > 0")
     if any(k < 1 or k > 8 for k in args.spec_tokens):
         p.error(f"--spec-tokens {args.spec_tokens}: each must be in 1..8")
+    args.argv = list(argv)
     return args
+
+
+def max_model_len(args, plan: dict) -> int:
+    """The servers' context: the longest request of any scenario with its tokens, and some slack."""
+    need = [len(r["prompt"]) + r["max_tokens"] for reqs in plan.values() for r in reqs]
+    return max([max(args.max_prompt, args.longest) + args.max_tokens, *need]) + 64
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     spec = serve.model_spec(args.model)
-    longest_prompt = max(args.max_prompt, args.longest)
-    max_len = longest_prompt + args.max_tokens + 64
+    plan = plan_requests(args)
+    max_len = max_model_len(args, plan)
     work = pathlib.Path(args.work_dir or f"/tmp/qla-stress-{args.engine}-{args.model}-tp{args.tp}")
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = serve.write_model(spec, args.layers, max_len, work / "model")
+    # SGLang: a word for every id the model can generate (its detokenizer decodes every output)
+    model_dir = serve.write_model(spec, args.layers, max_len, work / "model", full_vocab=args.engine == "sglang")
     s = serve.Setup(args.engine, model_dir, args.tp, max_len, args.port,
                     multimodal=spec["architecture"].endswith("ForConditionalGeneration"))
-    plan = plan_requests(args)
+    backends = list(dict.fromkeys(args.backends))
     if args.dry_run:
         for name, reqs in plan.items():
             lens = [len(r["prompt"]) for r in reqs]
             serve.log(f"{name}: {len(reqs)} requests, prompts {min(lens)}..{max(lens)} tokens")
-        for b in args.backends:
-            print(shlex.join(serve.server_command(s, b, args.server_arg)))
-            for k in args.spec_tokens:
-                print(shlex.join(serve.server_command(s, b, args.server_arg + spec_args(args.engine, spec["model_type"], k))))
+        for b in backends:
+            for tag, cmd in server_commands(s, b, args, spec["model_type"]).items():
+                if tag == "oracle" or args.phase in ("all", tag.rstrip("0123456789")):
+                    print(f"# {b} {tag}\n{shlex.join(cmd)}")
         return 0
-    rows = []
-    for backend in args.backends:
-        rows += run_backend(s, backend, args, plan, work, spec["model_type"])
+    key = run_key(args, plan)
+    budget = Budget(args.budget)
+    problems = []
+    for backend in backends:
+        problems += run_backend(s, backend, args, plan, work, spec["model_type"], key, budget)
     if args.phase == "oracle":
-        return 0
+        return 1 if problems else 0
+    # every part measured into this work directory for this plan, this call's and earlier calls'
+    parts = load_parts(work, key, [b for b in serve.BACKENDS if b in backends] +
+                       [b for b in serve.BACKENDS if b not in backends])
+    # a server left out for the budget here may have been measured by an earlier call
+    measured = {(p["backend"], p["part"]) for p in parts}
+    rows = [r for p in parts for r in p["rows"]] + [r for r in problems if (r["backend"], r["scenario"]) not in measured]
     gpu = serve.gpu_name()
+    infos: dict[str, dict] = {}
+    for p in parts:
+        i = infos.setdefault(p["backend"], {"resolved": p["info"].get("resolved"), "fallback": False,
+                                            "server_commands": {}})
+        i["fallback"] = i["fallback"] or bool(p["info"].get("fallback"))
+        i["server_commands"][p["part"]] = p["info"].get("command")
     meta = {"gpu": gpu, "engine": args.engine, "tp": args.tp, "versions": serve.versions(args.engine),
             "model": f"{spec['name']}, {args.layers} layers, dummy weights, GDN gates re-drawn",
-            "command": shlex.join(["python", "-m", "e2e_bench.stress", *argv])}
+            "command": shlex.join(["python", "-m", "e2e_bench.stress", *argv]),
+            "calls": list(dict.fromkeys(p["info"].get("call") for p in parts if p["info"].get("call"))),
+            "backends": infos, "max_model_len": max_len}
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{serve.results_stem(gpu, args.engine, args.tp).replace('-serve-', '-stress-')}"

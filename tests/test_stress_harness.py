@@ -1,19 +1,28 @@
 """The stress harness (e2e_bench/stress.py) on the CPU: its request plan, HTTP client (against a
-local stand-in server), metrics parsing and oracle comparison. The engines' parsers read its
-server commands in tests/vllm."""
+local stand-in server speaking vLLM's and SGLang's request shapes), metrics parsing, oracle
+comparison, and a run split over calls by --phase (stand-in servers). The engines' own parsers
+read its server commands in tests/vllm and tests/sglang."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
+import socket
+import threading
+from typing import ClassVar
 
 import pytest
 
-from e2e_bench import stress
+from e2e_bench import serve, stress
+
+
+def _flags(**kw) -> list[str]:
+    return [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def _args(**kw):
-    return stress.parse_args(["--engine", "vllm", *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in kw.items()), [])])
+    return stress.parse_args(["--engine", "vllm", *_flags(**kw)])
 
 
 def test_plan_covers_every_scenario():
@@ -26,6 +35,10 @@ def test_plan_covers_every_scenario():
     assert [r["at"] for r in load] == sorted(r["at"] for r in load) and load[0]["at"] == 0
     assert sum(1 for r in plan["abort"] if r.get("abort")) == 4
     assert {r["abort"] for r in plan["abort"] if r.get("abort")} == {"prefill", "decode"}
+    # the new requests come after the aborted ones, on the slots those let go of
+    assert all(r["at"] == stress.AFTER_ABORT_S for r in plan["abort"] if not r.get("abort"))
+    assert {len(r["prompt"]) for r in plan["abort"] if r.get("abort") == "prefill"} == {
+        min(stress.ABORT_PREFILL_PROMPT, 4096)}
     pre = plan["prefix"]
     assert len(pre) == 3 * len(stress.BLOCK_UNALIGNED_PREFIXES)
     plen = stress.BLOCK_UNALIGNED_PREFIXES[2]
@@ -40,16 +53,25 @@ def test_arrivals_average_the_rate():
     assert 4000 / at[-1] == pytest.approx(20.0, rel=0.1)
 
 
-def test_bad_requests_are_what_the_issue_lists():
-    names = [n for n, _ in stress.bad_requests(1000)]
+@pytest.mark.parametrize("engine", serve.ENGINES)
+def test_bad_requests_are_what_the_issue_lists(engine):
+    names = [n for n, _ in stress.bad_requests(1000, engine)]
     assert names == ["empty prompt", "prompt over max_model_len", "max_tokens 0", "max_tokens huge",
                      "malformed JSON", "not UTF-8"]
-    bodies = dict(stress.bad_requests(1000))
+    bodies = dict(stress.bad_requests(1000, engine))
     with pytest.raises(ValueError):
         json.loads(bodies["malformed JSON"])
     with pytest.raises(UnicodeDecodeError):
         bodies["not UTF-8"].decode("utf-8")
-    assert len(json.loads(bodies["prompt over max_model_len"])["prompt"]) > 1000
+    prompt, tokens = ("prompt", "max_tokens") if engine == "vllm" else ("input_ids", "max_new_tokens")
+    over = json.loads(bodies["prompt over max_model_len"])
+    assert len(over[prompt]) > 1000
+    # each in the shape of the engine's endpoint (SGLang's /generate would ignore vLLM's fields and
+    # answer every one "no input", testing nothing); SGLang's own dataclasses read them in tests/sglang
+    params = (lambda b: b) if engine == "vllm" else (lambda b: b["sampling_params"])
+    assert params(json.loads(bodies["max_tokens 0"]))[tokens] == 0
+    assert params(json.loads(bodies["max_tokens huge"]))[tokens] == 10**9
+    assert json.loads(bodies["empty prompt"])[prompt] == []
 
 
 def test_parse_metrics_sums_label_sets():
@@ -66,6 +88,26 @@ vllm:num_requests_running{engine="0"} 1.0
                  "requests_ok": 42.0}
 
 
+def test_parse_metrics_sglang_names():
+    """SGLang's counters as its multiprocess Prometheus collector prints them (names checked against
+    SGLang's own collectors in tests/sglang)."""
+    text = """# HELP sglang:num_retracted_requests_total Total number of retracted requests.
+# TYPE sglang:num_retracted_requests_total counter
+sglang:num_retracted_requests_total{engine_type="unified",model_name="bench",pp_rank="0",tp_rank="0"} 2.0
+sglang:cached_tokens_total{cache_source="device",model_name="bench"} 900.0
+sglang:cached_tokens_total{cache_source="host",model_name="bench"} 100.0
+sglang:prompt_tokens_total{is_streaming="false",model_name="bench"} 4000.0
+sglang:prompt_tokens_total{is_streaming="true",model_name="bench"} 1000.0
+sglang:num_requests_total{is_streaming="false",model_name="bench"} 30.0
+sglang:num_aborted_requests_total{model_name="bench"} 4.0
+sglang:num_retracted_reqs{model_name="bench"} 1.0
+sglang:cache_hit_rate{model_name="bench"} 0.2
+"""
+    assert stress.parse_metrics(text, "sglang") == {
+        "preemptions": 2.0, "prefix_cache_hits": 1000.0, "prefix_cache_queries": 5000.0, "requests_ok": 30.0,
+        "requests_aborted": 4.0}
+
+
 def test_compare_counts_early_divergence():
     oracle = {"a": {"tokens": list(range(32))}, "b": {"tokens": list(range(32))}, "c": {"tokens": list(range(32))}}
     got = {"a": {"tokens": list(range(32))}, "b": {"tokens": [0, 1, 2, 99] + list(range(4, 32))},
@@ -74,11 +116,24 @@ def test_compare_counts_early_divergence():
     assert r == {"compared": 2, "mean_tokens_before_divergence": (32 + 3) / 2, "diverged_within_16": 1}
 
 
+def _tokens(prompt, n):
+    return [t % 7 for t in prompt[:n]]
+
+
+SGLANG_METRICS = b"""sglang:num_retracted_requests_total{model_name="bench"} 1.0
+sglang:cached_tokens_total{cache_source="device",model_name="bench"} 96.0
+sglang:prompt_tokens_total{is_streaming="false",model_name="bench"} 500.0
+"""
+
+
 class _Fake:
-    """A stand-in HTTP server: 200 with token ids, 400 for bad JSON, chunked streams, /metrics."""
+    """A stand-in HTTP server: vLLM's /v1/completions and SGLang's /generate (200 with token ids,
+    400 for bad JSON or an empty prompt, streams held open until the client drops them),
+    SGLang's /abort_request, /health, /metrics."""
 
     def __init__(self):
         self.closed_early = 0
+        self.aborted: list[str] = []
 
     async def handle(self, reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
@@ -92,7 +147,12 @@ class _Fake:
             req, bad = {}, True
         if path == "/health":
             out = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
-        elif bad or req.get("prompt") == []:
+        elif path == "/metrics":
+            out = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(SGLANG_METRICS), SGLANG_METRICS)
+        elif path == "/abort_request":
+            self.aborted.append(req["rid"])
+            out = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+        elif bad or req.get("prompt") == [] or req.get("input_ids") == []:
             msg = b'{"error": "bad request"}'
             out = b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(msg), msg)
         elif req.get("stream"):
@@ -107,9 +167,13 @@ class _Fake:
             self.closed_early += 1
             writer.close()
             return
+        elif path == "/generate":
+            toks = _tokens(req["input_ids"], req["sampling_params"]["max_new_tokens"])
+            msg = json.dumps({"text": "", "output_ids": toks, "meta_info": {"finish_reason": {"type": "length"}}}).encode()
+            out = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(msg), msg)
         else:
-            toks = [t % 7 for t in req["prompt"][: req["max_tokens"]]]
-            msg = json.dumps({"choices": [{"token_ids": toks}]}).encode()
+            toks = _tokens(req["prompt"], req["max_tokens"])
+            msg = json.dumps({"choices": [{"token_ids": toks, "finish_reason": "length"}]}).encode()
             out = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(msg), msg)
         writer.write(out)
         await writer.drain()
@@ -131,23 +195,217 @@ def test_http_client_against_a_stand_in_server():
         return got, bad, refused
 
     got, bad, refused = asyncio.run(scenario())
-    assert got["ok"] == {"status": 200, "tokens": [1, 2, 3]}
+    assert got["ok"] == {"status": 200, "tokens": [1, 2, 3], "finish": "length"}
     assert got["drop"]["status"] == 0 and got["early"]["status"] == 0
+    assert "abort_status" not in got["drop"]  # vLLM aborts on the disconnect alone
     by = {b["request"]: b for b in bad}
     assert by["empty prompt"]["status"] == 400 and by["malformed JSON"]["status"] == 400
     assert all(b["healthy_after"] and b["serves_after"] for b in bad)
     assert refused == (-1, b"")
 
 
+def test_sglang_client_against_a_stand_in_server():
+    """SGLang's shape: /generate with input_ids, output_ids back, and a dropped stream also aborted
+    through /abort_request under the request's own rid."""
+    async def scenario():
+        fake = _Fake()
+        server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reqs = [{"id": "ok", "prompt": [8, 9, 10, 11], "max_tokens": 3, "at": 0.01},
+                {"id": "drop", "prompt": [1] * 10, "max_tokens": 5, "abort": "decode"},
+                {"id": "early", "prompt": [1] * 10, "max_tokens": 5, "abort": "prefill"}]
+        got = await stress.run_requests("sglang", port, reqs, concurrent=True)
+        bad = await stress.run_bad("sglang", port, 64)
+        _, text = await stress.http(port, "GET", "/metrics")
+        server.close()
+        return fake, got, bad, stress.parse_metrics(text.decode(), "sglang")
+
+    fake, got, bad, metrics = asyncio.run(scenario())
+    assert got["ok"] == {"status": 200, "tokens": [1, 2, 3], "finish": "length"}
+    assert got["drop"] == {"status": 0, "tokens": None, "finish": None, "abort_status": 200}
+    assert got["early"]["abort_status"] == 200
+    assert sorted(fake.aborted) == ["stress-drop", "stress-early"]
+    by = {b["request"]: b for b in bad}
+    assert by["empty prompt"]["status"] == 400 and by["malformed JSON"]["status"] == 400
+    assert all(b["healthy_after"] and b["serves_after"] for b in bad)
+    assert metrics["preemptions"] == 1.0 and metrics["prefix_cache_hits"] == 96.0
+
+
+def test_an_engines_own_abort_is_not_a_completion():
+    """A 200 whose finish reason is "abort" (the engine gave up on it) is a failure, not compared."""
+    plan = {"load": [{"id": "a", "prompt": [1], "max_tokens": 4}, {"id": "b", "prompt": [2], "max_tokens": 4}]}
+    oracle = {"a": {"status": 200, "tokens": [1, 2, 3, 4]}, "b": {"status": 200, "tokens": [1, 2, 3, 4]}}
+    got = {"a": {"status": 200, "tokens": [1, 2, 3, 4], "finish": "length"},
+           "b": {"status": 200, "tokens": [1], "finish": "abort"}}
+    row = stress.summarize("sglang", plan, oracle, got, "load")
+    assert (row["completed"], row["failed_other"], row["aborted_by_server"], row["compared"]) == (1, 1, 1, 1)
+    assert row["diverged_within_16"] == 0
+
+
 def test_spec_server_arguments():
     assert json.loads(stress.spec_args("vllm", "qwen3_next", 4)[1]) == {"method": "qwen3_next_mtp",
                                                                        "num_speculative_tokens": 4}
     assert json.loads(stress.spec_args("vllm", "qwen3_5_moe", 2)[1])["method"] == "mtp"
-    assert stress.spec_args("sglang", "qwen3_next", 3)[:2] == ["--speculative-algorithm", "NEXTN"]
+    assert stress.spec_args("sglang", "qwen3_next", 3) == [
+        "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "4"]
     with pytest.raises(SystemExit):
         stress.parse_args(["--engine", "vllm", "--spec-tokens", "9"])
 
 
 def test_stress_server_asks_for_the_prefix_cache():
     assert stress.cache_args("vllm") == ["--enable-prefix-caching"]
-    assert stress.cache_args("sglang") == ["--mamba-scheduler-strategy", "extra_buffer"]
+    # SGLang 0.5.17 names it --mamba-radix-cache-strategy (--mamba-scheduler-strategy: a deprecated
+    # alias there, gone from 0.5.20); its flashinfer GDN kernels take no extra_buffer
+    assert stress.cache_args("sglang") == ["--mamba-radix-cache-strategy", "extra_buffer"]
+    assert stress.cache_args("sglang", "triton") == stress.cache_args("sglang", "default") == stress.cache_args("sglang")
+    assert stress.cache_args("sglang", "flashinfer") == []
+
+
+def _setup(tmp_path, engine="sglang", **kw):
+    kw = {"requests": 10, "max_prompt": 2048, "longest": 0, **kw}
+    args = stress.parse_args(["--engine", engine, "--spec-tokens", "1", "4", *_flags(**kw)])
+    spec = serve.model_spec(args.model)
+    plan = stress.plan_requests(args)
+    d = serve.write_model(spec, args.layers, stress.max_model_len(args, plan), tmp_path / "m", full_vocab=True)
+    return args, serve.Setup(engine, d, 1, stress.max_model_len(args, plan)), spec
+
+
+def test_sglang_server_commands(tmp_path):
+    """Oracle without the radix cache (each request from scratch), stress server with it and with
+    /metrics, one speculative server per k; the serving benchmark's command under each."""
+    args, s, spec = _setup(tmp_path)
+    cmds = stress.server_commands(s, "flashqla", args, spec["model_type"])
+    assert list(cmds) == ["oracle", "stress", "spec1", "spec4"]
+    base = serve.server_command(s, "flashqla")
+    assert all(c[:len(base)] == base for c in cmds.values())
+    assert cmds["oracle"][len(base):] == ["--disable-radix-cache"]
+    assert cmds["stress"][len(base):] == ["--mamba-radix-cache-strategy", "extra_buffer", "--enable-metrics"]
+    assert cmds["spec4"][len(base):] == stress.spec_args("sglang", "qwen3_next", 4) + ["--enable-metrics"]
+    # --server-arg comes last (wins)
+    args.server_arg = ["--max-total-tokens", "40000"]
+    assert all(c[-2:] == ["--max-total-tokens", "40000"] for c in stress.server_commands(s, "default", args, "qwen3_next").values())
+    # vLLM: as before (no oracle or metrics flags)
+    args, s, spec = _setup(tmp_path / "v", engine="vllm")
+    cmds = stress.server_commands(s, "flashqla", args, spec["model_type"])
+    assert cmds["oracle"] == serve.server_command(s, "flashqla")
+    assert cmds["stress"] == serve.server_command(s, "flashqla", ["--enable-prefix-caching"])
+
+
+def test_max_model_len_holds_every_request():
+    args = _args(requests=60, max_prompt=8192, longest=32768, aborts=6, suffixes=2)
+    plan = stress.plan_requests(args)
+    assert stress.max_model_len(args, plan) == 32768 + 32 + 64  # the vLLM run of record's context
+    args = _args(requests=10, max_prompt=16384, longest=0, aborts=2)
+    plan = stress.plan_requests(args)
+    assert stress.max_model_len(args, plan) == stress.ABORT_PREFILL_PROMPT + stress.ABORT_MAX_TOKENS + 64
+
+
+class _StandInServer:
+    """serve.Server's interface over a _Fake in a thread (what --phase runs start, by tag)."""
+
+    starts: ClassVar[list[str]] = []
+    fail: ClassVar[set[str]] = set()
+
+    def __init__(self, cmd, env, log_path, port):
+        self.cmd, self.env, self.log_path, self.port = cmd, env, pathlib.Path(log_path), port
+        self.started, self.loop, self.thread = 0.0, None, None
+        self.tag = self.log_path.stem.split("-")[-1]
+
+    def start(self, timeout):
+        _StandInServer.starts.append(self.log_path.stem)
+        self.log_path.write_text("Linear attention kernel backend: decode=triton, prefill=triton, verify=triton\n")
+        if self.tag in _StandInServer.fail:
+            return False
+        ready = threading.Event()
+
+        def serve_forever():
+            self.loop = asyncio.new_event_loop()
+            srv = self.loop.run_until_complete(asyncio.start_server(_Fake().handle, "127.0.0.1", self.port))
+            ready.set()
+            self.loop.run_forever()
+            srv.close()
+
+        self.thread = threading.Thread(target=serve_forever, daemon=True)
+        self.thread.start()
+        return ready.wait(10)
+
+    def alive(self):
+        return self.thread is not None and self.thread.is_alive()
+
+    def log_text(self):
+        return self.log_path.read_text()
+
+    def stop(self):
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_run_split_by_phase_adds_up(tmp_path, monkeypatch):
+    """--phase oracle, then stress, then spec (three device calls): the oracle runs once, each
+    later call reuses it, and the last call's results file holds every part; a server that does
+    not start is a row of the results too."""
+    monkeypatch.setattr(serve, "Server", _StandInServer)
+    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
+    monkeypatch.setattr(stress, "AFTER_ABORT_S", 0.05)
+    _StandInServer.starts, _StandInServer.fail = [], {"spec4"}
+    work, out = tmp_path / "work", tmp_path / "out"
+    common = ["--engine", "sglang", "--layers", "4", "--requests", "12", "--rate", "200", "--max-prompt", "300",
+              "--longest", "0", "--aborts", "2", "--suffixes", "2", "--flood", "2", "--max-tokens", "4",
+              "--backends", "default", "--port", str(_free_port()), "--work-dir", str(work), "--out-dir", str(out)]
+
+    assert stress.main([*common, "--phase", "oracle"]) == 0
+    assert _StandInServer.starts == ["server-default-oracle"] and not list(out.glob("*.json"))
+    assert stress.main([*common, "--phase", "stress"]) == 0
+    assert stress.main([*common, "--phase", "spec", "--spec-tokens", "1", "4"]) == 1  # spec4 did not start
+    assert _StandInServer.starts == ["server-default-oracle", "server-default-stress", "server-default-spec1",
+                                     "server-default-spec4"]
+    (path,) = out.glob("*-stand-in-gpu-stress-sglang-tp1.json")
+    data = json.loads(path.read_text())
+    rows = {r["scenario"]: r for r in data["rows"]}
+    assert list(rows) == ["bad", "abort", "load", "prefix", "prefix-after-eviction", "spec-1", "spec4"]
+    assert rows["bad"]["no_5xx"] == rows["bad"]["served_after"] == 6
+    assert rows["abort"]["abort_endpoint_ok"] == 2 and rows["abort"]["completed"] == 2
+    for name in ("abort", "load", "prefix", "prefix-after-eviction", "spec-1"):
+        r = rows[name]
+        assert r["compared"] == r["completed"] > 0 and r["diverged_within_16"] == 0, r
+        assert r["mean_tokens_before_divergence"] == 4
+    assert rows["load"]["server_metrics"]["preemptions"] == 1.0
+    assert rows["spec4"]["error"] == "server did not start"
+    meta = data["meta"]["backends"]["default"]
+    assert meta["resolved"] == "triton"
+    assert set(meta["server_commands"]) == {"stress", "spec1", "spec4"}
+    assert "--enable-metrics" in meta["server_commands"]["spec1"]
+    assert len(data["meta"]["calls"]) == 2 and "failed: server did not start" in path.with_suffix(".md").read_text()
+
+    # a later call that gets the server up replaces its failure
+    _StandInServer.fail = set()
+    assert stress.main([*common, "--phase", "spec", "--spec-tokens", "4"]) == 0
+    rows = {r["scenario"]: r for r in json.loads(path.read_text())["rows"]}
+    assert "spec4" not in rows and rows["spec-4"]["compared"] > 0 and "spec-1" in rows
+    # a server the budget leaves out that an earlier call measured keeps its rows (and the call passes)
+    n = len(_StandInServer.starts)
+    assert stress.main([*common, "--phase", "spec", "--spec-tokens", "1", "--budget", "60"]) == 0
+    assert len(_StandInServer.starts) == n
+    rows = [r["scenario"] for r in json.loads(path.read_text())["rows"]]
+    assert rows.count("spec-1") == 1 and "spec1" not in rows
+    # another plan is another run: nothing of these is reused
+    assert stress.main([*common, "--phase", "oracle", "--seed", "1"]) == 0
+    assert _StandInServer.starts[-1] == "server-default-oracle"
+
+
+def test_budget_leaves_servers_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve, "Server", _StandInServer)
+    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
+    _StandInServer.starts, _StandInServer.fail = [], set()
+    rc = stress.main(["--engine", "sglang", "--layers", "4", "--requests", "4", "--max-prompt", "100", "--longest", "0",
+                      "--backends", "flashqla", "--budget", "60", "--port", str(_free_port()),
+                      "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "o")])
+    assert rc == 1 and _StandInServer.starts == []
