@@ -52,7 +52,7 @@ import sys
 import time
 
 from . import serve
-from .vllm_offline import agreeing_prefix
+from .agreement import agreeing_prefix
 
 SCENARIOS = ("bad", "abort", "load", "prefix")
 PHASES = ("all", "oracle", "stress", "spec")
