@@ -5,6 +5,7 @@
                                                                  # then the serving benchmark's steps
     python3 sglang_bundle_check.py gpu                           # the same imports on the GPU machine
     python3 sglang_bundle_check.py serve                         # and the serving steps there
+    python3 sglang_bundle_check.py stress                        # and the stress harness's steps
 
 ``image`` links into OUT_DIR the top-level entries of every distribution that PACKAGE_LIST (the
 image's package names, as KINDS.md lists them) names, taking each from the first SITE that has
@@ -19,9 +20,18 @@ for every backend (with the plugin loaded), the model config and model class SGL
 tokenizer and grammar backend the scheduler builds at start, and the harness's client command
 through ``sglang.bench_serving``'s parser and random dataset. Exit status 1 names each failure.
 
+``import`` then runs the stress harness's steps too (:func:`check_stress`, ``e2e_bench/stress.py
+--engine sglang`` as docs/e2e.md's call sequence runs it): each server it starts (oracle without
+the radix cache, stress server with the ``extra_buffer`` radix cache and ``/metrics``, one MTP
+server per draft length) through SGLang's full argument resolution, the speculative servers' draft
+model class, the modules the speculative worker and the metrics collectors import, the harness's
+request bodies through SGLang's request dataclasses, and its metrics parsing against what SGLang's
+own collectors print.
+
 ``gpu`` imports :data:`MODULES` as they are (bundles loaded, real GPU) and says which sgl_kernel
 library loaded; ``serve`` does the same and then :func:`check_serving` (a pre-flight of the
-serving benchmark on the GPU machine, from the staged checkout: ``scripts/gpu_stage.sh``).
+serving benchmark on the GPU machine, from the staged checkout: ``scripts/gpu_stage.sh``);
+``stress`` the same and :func:`check_stress` (the stress harness's pre-flight).
 """
 
 from __future__ import annotations
@@ -97,6 +107,26 @@ MODULES = [
 ]
 # e2e_bench/models/ name and layer count of the serving benchmark's first SGLang run
 SERVE_MODEL = ("qwen3-next-80b-a3b", 8)
+# the stress harness's arguments in docs/e2e.md's SGLang call sequence ("Reliability under load"),
+# less --backends, --phase and --budget (the check covers both backends and every phase)
+STRESS_ARGS = ["--engine", "sglang", "--model", SERVE_MODEL[0], "--layers", str(SERVE_MODEL[1]),
+               "--requests", "60", "--rate", "40", "--max-prompt", "8192", "--longest", "32768", "--aborts", "6",
+               "--suffixes", "2", "--flood", "4", "--spec-requests", "32", "--spec-tokens", "1", "2", "4", "8"]
+STRESS_BACKENDS = ("flashqla", "default")
+# what the stress harness's servers import past the serving benchmark's: the MTP draft model, the
+# speculative (EAGLE v2) worker SGLang runs NEXTN with, and the /metrics collectors
+STRESS_MODULES = [
+    "sglang.srt.models.qwen3_next_mtp",
+    "sglang.srt.speculative.spec_info",
+    "sglang.srt.speculative.eagle_worker_v2",
+    "sglang.srt.speculative.eagle_info",
+    "sglang.srt.speculative.eagle_draft_cuda_graph_runner",
+    "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner",
+    "sglang.srt.speculative.draft_worker_common",
+    "sglang.srt.observability.metrics_collector",
+    "prometheus_client",
+    "e2e_bench.stress",
+]
 # SGLang's full-attention backends that need sgl-kernel's FA3 library, which the bundle leaves out
 FA3_BACKENDS = {"fa3", "fa4"}
 VERSIONS = [
@@ -314,17 +344,150 @@ def check_serving() -> int:
     return 1 if failures else 0
 
 
+def check_stress() -> int:
+    """The stress harness's CPU-side steps for SGLang (see the module docstring). Returns 1 if one
+    fails."""
+    import json
+    import tempfile
+
+    from e2e_bench import serve
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    failures = 0
+
+    def step(label, fn):
+        nonlocal failures
+        try:
+            print(f"ok    {label}: {fn()}")
+        except BaseException as e:  # noqa: BLE001 -- report every failure, keep going
+            failures += 1
+            print(f"FAIL  {label}: {type(e).__name__}: {e}")
+            traceback.print_exc(limit=-6)
+
+    for module in STRESS_MODULES:
+        step(f"import {module}", lambda module=module: importlib.import_module(module).__name__)
+    if failures:
+        return 1
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    from e2e_bench import stress
+
+    load_plugins()
+    args = stress.parse_args(STRESS_ARGS)
+    spec = serve.model_spec(args.model)
+    plan = stress.plan_requests(args)
+    max_len = stress.max_model_len(args, plan)
+    scratch = tempfile.TemporaryDirectory(prefix="qla-check-stress-")  # not qla-stress-*: gpu_session.sh packs those
+    setup = serve.Setup("sglang", serve.write_model(spec, args.layers, max_len, scratch.name, full_vocab=True), 1,
+                        max_len)
+    fa3 = serve.sglang_fa3_library()
+
+    def resolve(backend, tag, cmd):
+        sa = prepare_server_args(cmd[3:])
+        attention = {sa.attention_backend, sa.prefill_attention_backend, sa.decode_attention_backend}
+        if fa3 is None and attention & FA3_BACKENDS:
+            raise RuntimeError(f"full attention resolves to {sorted(attention & FA3_BACKENDS)} without sgl-kernel's "
+                               "FA3 library")
+        if backend != "default" and sa.linear_attn_backend != backend:
+            raise RuntimeError(f"--linear-attn-backend resolves to {sa.linear_attn_backend}")
+        strategy = getattr(sa, "mamba_radix_cache_strategy", "?")
+        if tag == "oracle":
+            if not sa.disable_radix_cache:
+                raise RuntimeError("the oracle keeps the radix cache")
+            what = "radix cache off"
+        elif not sa.enable_metrics:
+            raise RuntimeError("/metrics off")
+        elif strategy != "extra_buffer":
+            raise RuntimeError(f"mamba radix cache {strategy}, expected extra_buffer")
+        else:
+            what = f"radix cache {strategy}, metrics on"
+        if tag.startswith("spec"):
+            from sglang.srt.configs.model_config import ModelConfig
+            from sglang.srt.models.registry import ModelRegistry
+
+            k = int(tag[4:])
+            got = (sa.speculative_algorithm, sa.speculative_num_steps, sa.speculative_eagle_topk,
+                   sa.speculative_num_draft_tokens)
+            if got != ("EAGLE", k, 1, k + 1):
+                raise RuntimeError(f"speculative decoding resolves to {got}, expected ('EAGLE', {k}, 1, {k + 1})")
+            draft = ModelConfig.from_server_args(sa, model_path=sa.speculative_draft_model_path, is_draft_model=True)
+            cls, arch = ModelRegistry.resolve_model_cls(draft.hf_config.architectures)
+            if arch != "Qwen3NextForCausalLMMTP":
+                raise RuntimeError(f"the draft model resolves to {arch}")
+            what += (f", {sa.speculative_algorithm} {k} steps / {k + 1} tokens, draft {cls.__name__} "
+                     f"({sa.speculative_draft_load_format or sa.load_format}), max running {sa.max_running_requests}")
+        return (f"{what}; attention {sa.attention_backend}, linear {sa.linear_attn_backend}, overlap "
+                f"{'off' if sa.disable_overlap_schedule else 'on'}")
+
+    print(f"      stress servers' context length {max_len}")
+    for backend in STRESS_BACKENDS:
+        for tag, cmd in stress.server_commands(setup, backend, args, spec["model_type"]).items():
+            step(f"stress server args ({backend} {tag})", lambda b=backend, t=tag, c=cmd: resolve(b, t, c))
+
+    def bodies():
+        from sglang.srt.managers.io_struct import AbortReq, GenerateReqInput
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = {"id": "abort-0", "prompt": [5, 6, 7], "max_tokens": 4, "abort": "prefill"}
+        obj = GenerateReqInput(**json.loads(stress.completion_body("sglang", req, stream=True)[1]))
+        obj.normalize_batch_and_arguments()
+        SamplingParams(**obj.sampling_params).verify(spec["vocab_size"])
+        AbortReq(rid=obj.rid)
+        refused = []
+        for name, body in stress.bad_requests(max_len, "sglang"):
+            try:
+                bad = GenerateReqInput(**json.loads(body))
+            except ValueError:  # malformed JSON, not UTF-8: FastAPI's 4xx
+                refused.append(name)
+                continue
+            try:
+                bad.normalize_batch_and_arguments()
+            except ValueError:
+                refused.append(name)
+        return f"/generate, /abort_request and bad bodies read; refused before the tokenizer manager: {refused}"
+
+    step("stress request bodies", bodies)
+
+    def metrics():
+        import prometheus_client
+        from sglang.srt import runtime_context
+        from sglang.srt.observability import metrics_collector as mc
+
+        sa = prepare_server_args(stress.server_commands(setup, "default", args, spec["model_type"])["stress"][3:])
+        runtime_context.publish(sa, role="scheduler")
+        labels = {"model_name": "bench", "engine_type": "unified", "tp_rank": 0, "pp_rank": 0, "moe_ep_rank": 0}
+        mc.SchedulerMetricsCollector(labels=labels, server_args=sa).increment_retracted_reqs(3, 700, 20)
+        tok = mc.TokenizerMetricsCollector(server_args=sa, labels={"model_name": "bench"})
+        tok.observe_one_finished_request({"model_name": "bench"}, prompt_tokens=1000, generation_tokens=32,
+                                         cached_tokens=96, e2e_latency=0.5, has_grammar=False)
+        tok.observe_one_aborted_request({"model_name": "bench"})
+        got = stress.parse_metrics(prometheus_client.generate_latest().decode(), "sglang")
+        want = {"preemptions": 3.0, "prefix_cache_hits": 96.0, "prefix_cache_queries": 1000.0, "requests_ok": 1.0,
+                "requests_aborted": 1.0}
+        if got != want:
+            raise RuntimeError(f"parsed {got}, expected {want}")
+        return got
+
+    step("stress metrics names", metrics)
+    scratch.cleanup()
+    return 1 if failures else 0
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "image":
         build_image(args[0], args[1], args[2:])
     elif mode == "import":
         status = check_imports(args)
-        sys.exit(max(status, check_serving()))
+        sys.exit(max(status, check_serving(), check_stress()))
     elif mode == "gpu":
         sys.exit(check_imports(None))
     elif mode == "serve":
         status = check_imports(None)
         sys.exit(max(status, check_serving()))
+    elif mode == "stress":
+        status = check_imports(None)
+        sys.exit(max(status, check_serving(), check_stress()))
     else:
-        sys.exit(f"unknown mode {mode!r}: image | import | gpu | serve")
+        sys.exit(f"unknown mode {mode!r}: image | import | gpu | serve | stress")
