@@ -3,8 +3,12 @@
 An investigation tool (issue #24; not run by CI): it drives one engine step the way the engine
 does, with CPU tensors and every kernel launch replaced by a no-op at the narrowest point, and
 reports microseconds of host time per GDN layer call (median over many repetitions, after
-warm-up), split into the per-step planning (once per step, shared by every GDN layer) and the
-per-layer work, level by level.
+warm-up; the repetitions run in 5 blocks and the lowest block median is reported, so a block that
+shared the CPU with another process does not count), split into the per-step planning (once per
+step, shared by every GDN layer) and the per-layer work. The layer call is recorded once (the
+second layer of the step) level by level: adapter (vLLM's layer / SGLang's kernel object) -> op ->
+kernel module entry -> launcher. The total is the real call; each level's own time is its recorded
+calls replayed with the levels below stubbed (returning what they returned).
 
     # vLLM 0.26 (its own venv: the CPU machine's vLLM build), both batches:
     ~/.cache/qla-serving/venv-vllm-0.26.0/bin/python scripts/host_overhead.py vllm
@@ -45,6 +49,7 @@ import cProfile
 import ctypes
 import gc
 import io
+import itertools
 import json
 import os
 import pathlib
@@ -67,9 +72,9 @@ DECODES = 63
 NOT_MEASURED = (
     "Not measured: the CUDA launch latency of the real kernels (driver calls, TMA descriptor encoding "
     "in the library's host code) and the launch cost of every device op counted above beyond its CPU "
-    "dispatch (3-6 us each on a GPU against 1-3 us here); the engine's own causal conv1d, gating and q/k/v split kernels (stubbed: they return ready "
-    "tensors); the CUDA caching allocator (glibc's heap stands in); the pinned host->device copies of "
-    "the plan's tables (once per step)."
+    "dispatch (3-6 us each on a GPU against 1-3 us here); the engine's own causal conv1d, gating and "
+    "q/k/v split kernels (stubbed: they return ready tensors); the CUDA caching allocator (glibc's heap "
+    "stands in); the pinned host->device copy of the plan's tables (once per step)."
 )
 
 
@@ -85,8 +90,9 @@ def _noop_library() -> ctypes.CDLL | None:
         src = cache / "noop.c"
         src.write_text('int qla_noop(void) { return 0; }\nconst char *qla_noop_error(void) { return ""; }\n')
         try:
-            subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
-                           capture_output=True)
+            subprocess.run(
+                ["cc", "-O2", "-shared", "-fPIC", "-o", str(so), str(src)], check=True, capture_output=True
+            )
         except (OSError, subprocess.CalledProcessError):
             return None
     return ctypes.CDLL(str(so))
@@ -148,8 +154,10 @@ def install_noop_kernels() -> str:
         manifest = json.loads(manifest_path.read_text())
         manifest["kernels"] = _Templates(manifest["kernels"])
         library._libraries = [library.Library(library.SHIPPED_DIR, manifest, _NoopLib(noop))]
-        return ("precompiled-library launcher (LibraryKernel.__call__: ctypes marshalling of the shipped "
-                "manifest's signatures) into a C function returning 0")
+        return (
+            "precompiled-library launcher (LibraryKernel.__call__: ctypes marshalling of the shipped "
+            "manifest's signatures) into a C function returning 0"
+        )
     library.lookup = lambda kind, config: _PyNoop()
     why = "no shipped manifest" if not manifest_path.is_file() else "no C compiler for the no-op"
     return f"Python no-op kernels ({why}): the launcher's ctypes marshalling is NOT measured"
@@ -209,9 +217,30 @@ class Recorder:
     work, every other op would run on the GPU in serving.
     """
 
-    VIEWS = {"scalar_tensor", "view", "_unsafe_view", "slice", "select", "as_strided", "unsqueeze", "squeeze",
-             "transpose", "t", "alias", "_reshape_alias", "expand", "detach", "permute", "split",
-             "split_with_sizes", "unbind", "narrow", "diagonal", "lift_fresh", "chunk"}
+    VIEWS = {
+        "scalar_tensor",
+        "view",
+        "_unsafe_view",
+        "slice",
+        "select",
+        "as_strided",
+        "unsqueeze",
+        "squeeze",
+        "transpose",
+        "t",
+        "alias",
+        "_reshape_alias",
+        "expand",
+        "detach",
+        "permute",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "narrow",
+        "diagonal",
+        "lift_fresh",
+        "chunk",
+    }
     ALLOCS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
 
     def __init__(self, host_tensors):
@@ -219,16 +248,19 @@ class Recorder:
         self.device_ops: dict[str, list] = {}  # level -> [(aten op, args, kwargs)]
         self.ops = {"kernels": {}, "allocations": 0, "syncs": 0}
         self.parent: dict[str, str] = {}
+        self.targets: dict[str, tuple] = {}  # label -> (owner, attribute, original function)
         self._stack = [ADAPTER]
         self._undo = []
         self._host = {t.untyped_storage().data_ptr() for t in host_tensors if t is not None}
 
     def _enter(self, label: str, fn, args, kwargs):
         self.parent.setdefault(label, self._stack[-1])
-        self.calls.setdefault(label, []).append((fn, args, kwargs))
+        record = [fn, args, kwargs, None]
+        self.calls.setdefault(label, []).append(record)
         self._stack.append(label)
         try:
-            return fn(*args, **kwargs)
+            record[3] = fn(*args, **kwargs)
+            return record[3]
         finally:
             self._stack.pop()
 
@@ -240,16 +272,37 @@ class Recorder:
 
         setattr(owner, attr, recording)
         self._undo.append((owner, attr, original))
+        self.targets[label] = (owner, attr, original)
 
     def wrap_launcher(self, cls) -> None:
         original = cls.__call__
 
         def recording(kernel, *args):
             label = f"launcher ({self._stack[-1].split(': ')[-1]})"
+            self.targets.setdefault(label, (cls, "__call__", original))
             return self._enter(label, original, (kernel, *args), {})
 
         cls.__call__ = recording
         self._undo.append((cls, "__call__", original))
+
+    @contextlib.contextmanager
+    def stubbed(self, labels):
+        """The functions of ``labels`` replaced by stubs that return, in order, what the recorded
+        calls returned: the level above runs its own code only."""
+        saved = []
+        for label in labels:
+            owner, attr, original = self.targets[label]
+            results = itertools.cycle([r[3] for r in self.calls[label]])
+            saved.append((owner, attr, getattr(owner, attr)))
+            if attr == "__call__":
+                setattr(owner, attr, lambda kernel, *args, _r=results: next(_r))
+            else:
+                setattr(owner, attr, lambda *args, _r=results, **kwargs: next(_r))
+        try:
+            yield
+        finally:
+            for owner, attr, fn in reversed(saved):
+                setattr(owner, attr, fn)
 
     def run(self, fn) -> None:
         """Run ``fn`` once under the recorder, logging the device path's torch ops."""
@@ -294,7 +347,7 @@ class Recorder:
         calls = (self.device_ops if device_ops else self.calls).get(label, [])
 
         def run():
-            for fn, args, kwargs in calls:
+            for fn, args, kwargs, *_ in calls:
                 fn(*args, **kwargs)
 
         return run
@@ -304,7 +357,9 @@ class Recorder:
 
 
 def record_levels(layer_call, adapter_ops: list[tuple[object, str, str]], host_tensors) -> Recorder:
-    """One call of ``layer_call`` with the op, kernel-entry and launcher levels recorded."""
+    """One call of ``layer_call`` with the op, kernel-entry and launcher levels recorded: the second
+    layer of the step (the first also makes what a plan keeps for every later layer)."""
+    layer_call()
     from qla_serving.kernels import chunk_prefill, library
     from qla_serving.kernels import decode as kdecode
 
@@ -339,8 +394,12 @@ def _shape_clone(x, memory_format=None):
 
 
 # Allocate-only stand-ins of the data-moving ops (same result shape, dtype and layout, no data).
-SHIMS = {"cat": _shape_cat, "index_select": _shape_index_select, "clone": _shape_clone,
-         "copy_": lambda x, src, non_blocking=False: x}
+SHIMS = {
+    "cat": _shape_cat,
+    "index_select": _shape_index_select,
+    "clone": _shape_clone,
+    "copy_": lambda x, src, non_blocking=False: x,
+}
 HEAVY_US = 5.0  # device ops slower than this on the CPU are data work: timed as shims
 
 
@@ -370,10 +429,11 @@ class DataShims:
 
 
 def time_levels(layer_call, rec: Recorder, reps: int, warmup: int) -> dict:
-    """Per level: its time per layer call with everything below it (``host_inclusive_us``) and its
-    own (``own_host_us``: inclusive minus the levels below). Device ops that move data (slower than
+    """Per level: its own host time per layer call (``own_host_us``: the level's calls with the
+    levels below stubbed, returning what they returned) and its time with everything below it
+    (``host_inclusive_us``: its recorded calls replayed). Device ops that move data (slower than
     ``HEAVY_US`` here) run as allocate-only shims meanwhile; the rest run as they are (their CPU
-    dispatch stands in for a launch)."""
+    dispatch stands in for a launch). The total is the real call, unstubbed."""
     heavy, unshimmable = set(), set()
     for calls in rec.device_ops.values():
         for func, args, kwargs in calls:
@@ -381,17 +441,27 @@ def time_levels(layer_call, rec: Recorder, reps: int, warmup: int) -> dict:
                 name = func.overloadpacket.__name__
                 (heavy if name in SHIMS and func._overloadname == "default" else unshimmable).add(name)
     levels = [ADAPTER] + [k for k in rec.calls if rec.calls[k]]
-    with DataShims(heavy):
-        inclusive = {ADAPTER: median_us(layer_call, reps, warmup)}
-        for label in levels[1:]:
-            inclusive[label] = median_us(rec.replay(label), reps, warmup)
     rows = {}
-    for label in levels:
-        rows[label] = {"calls": len(rec.calls.get(label, [None])), "host_inclusive_us": inclusive[label],
-                       "own_host_us": inclusive[label] - sum(inclusive[c] for c in rec.children(label)),
-                       "device_ops": len(rec.device_ops.get(label, []))}
-    rows["total"] = {"host_us": inclusive[ADAPTER], "device_ops": sum(r["device_ops"] for r in rows.values()),
-                     "shimmed": sorted(heavy), "data_work_left_in": sorted(unshimmable)}
+    with DataShims(heavy):
+        total = median_us(layer_call, reps, warmup)
+        for label in levels:
+            run = layer_call if label == ADAPTER else rec.replay(label)
+            with rec.stubbed(rec.children(label)):
+                own = median_us(run, reps, warmup)
+            inclusive = total if label == ADAPTER else median_us(run, reps, warmup)
+            rows[label] = {
+                "calls": len(rec.calls.get(label, [None])),
+                "own_host_us": own,
+                "host_inclusive_us": inclusive,
+                "device_ops": len(rec.device_ops.get(label, [])),
+            }
+    rows["total"] = {
+        "host_us": total,
+        "sum_of_own_us": sum(r["own_host_us"] for r in rows.values()),
+        "device_ops": sum(r["device_ops"] for r in rows.values()),
+        "shimmed": sorted(heavy),
+        "data_work_left_in": sorted(unshimmable),
+    }
     return rows
 
 
@@ -400,14 +470,21 @@ def print_levels(rows: dict) -> None:
     for label, r in rows.items():
         if label == "total":
             continue
-        print(f"      {label:<26} {r['calls']:>5} {r['own_host_us']:>8.1f} us {r['host_inclusive_us']:>8.1f} us "
-              f"{r['device_ops']:>11}")
+        print(
+            f"      {label:<26} {r['calls']:>5} {r['own_host_us']:>8.1f} us "
+            f"{r['host_inclusive_us']:>8.1f} us {r['device_ops']:>11}"
+        )
     total = rows["total"]
-    print(f"      => HOST WORK PER GDN LAYER CALL: {total['host_us']:.1f} us, {total['device_ops']} device ops in it "
-          f"(data-moving ones as allocate-only shims: {', '.join(total['shimmed']) or 'none'})")
+    print(
+        f"      => HOST WORK PER GDN LAYER CALL: {total['host_us']:.1f} us (sum of the levels' own: "
+        f"{total['sum_of_own_us']:.1f} us), {total['device_ops']} device ops in it (data-moving ones as "
+        f"allocate-only shims: {', '.join(total['shimmed']) or 'none'})"
+    )
     if total["data_work_left_in"]:
-        print(f"      !! device ops with data work and no shim (their CPU execution is in the numbers): "
-              f"{', '.join(total['data_work_left_in'])}")
+        print(
+            f"      !! device ops with data work and no shim (their CPU execution is in the numbers): "
+            f"{', '.join(total['data_work_left_in'])}"
+        )
 
 
 def print_step(rows: dict) -> None:
@@ -418,8 +495,10 @@ def print_step(rows: dict) -> None:
 def ops_summary(ops: dict) -> str:
     kernels = sum(ops["kernels"].values())
     detail = ", ".join(f"{k} {v}" for k, v in sorted(ops["kernels"].items(), key=lambda kv: -kv[1]))
-    return (f"{kernels} device ops [{detail or '-'}], {ops['allocations']} device allocations, "
-            f"{ops['syncs']} device->host syncs")
+    return (
+        f"{kernels} device ops [{detail or '-'}], {ops['allocations']} device allocations, "
+        f"{ops['syncs']} device->host syncs"
+    )
 
 
 def profile_text(fn, reps: int, lines: int = 30) -> str:
@@ -437,8 +516,10 @@ def report(name, per_step, per_layer, ops, prof, plan) -> None:
     print(f"\n== {name}")
     if plan is not None:
         cp = plan.context_parallel
-        print(f"   plan: {plan.num_seqs} sequences, {plan.num_chunks} chunks, "
-              f"{plan.work_items_cpu.shape[0]} work items (AutoCP {'on' if cp else 'off'} at {H100_SMS} SMs)")
+        print(
+            f"   plan: {plan.num_seqs} sequences, {plan.num_chunks} chunks, "
+            f"{plan.work_items_cpu.shape[0]} work items (AutoCP {'on' if cp else 'off'} at {H100_SMS} SMs)"
+        )
     print("   per step (once, shared by every GDN layer):")
     print_step(per_step)
     print("   per GDN layer call:")
@@ -469,8 +550,10 @@ def run_vllm(args) -> dict:
     launcher = install_noop_kernels()
     helpers.register_plugin()
     model_dir = helpers.write_qwen35_model_dir(
-        tempfile.mkdtemp(prefix="qla_host_overhead_"), linear_num_key_heads=QK_HEADS,
-        linear_num_value_heads=V_HEADS)
+        tempfile.mkdtemp(prefix="qla_host_overhead_"),
+        linear_num_key_heads=QK_HEADS,
+        linear_num_value_heads=V_HEADS,
+    )
     config = helpers.engine_config(model_dir, gdn_prefill_backend="flashqla")
     helpers.init_cpu_distributed(config)
     os.environ["QLA_FORCE_REFERENCE"] = "1"  # so the layer is built active on a CPU machine
@@ -482,8 +565,10 @@ def run_vllm(args) -> dict:
 
     conv_shape, ssm_shape = layer.get_state_shape()[:2]
     conv_dtype, ssm_dtype = layer.get_state_dtype()[:2]
-    layer.kv_cache = (torch.zeros(NUM_SLOTS, *conv_shape, dtype=conv_dtype),
-                      torch.zeros(NUM_SLOTS, *ssm_shape, dtype=ssm_dtype))
+    layer.kv_cache = (
+        torch.zeros(NUM_SLOTS, *conv_shape, dtype=conv_dtype),
+        torch.zeros(NUM_SLOTS, *ssm_shape, dtype=ssm_dtype),
+    )
     H, HV, K, V = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     dtype = config.model_config.dtype
 
@@ -494,23 +579,37 @@ def run_vllm(args) -> dict:
     def engine_prefill_inputs(x, a, b):
         n = x.shape[0]
         if n not in prepared:
-            prepared[n] = (torch.empty(n, H, K, dtype=dtype), torch.empty(n, H, K, dtype=dtype),
-                           torch.empty(n, HV, V, dtype=dtype), torch.empty(n, HV, dtype=torch.float32),
-                           torch.empty(n, HV, dtype=torch.float32), False)
+            prepared[n] = (
+                torch.empty(n, H, K, dtype=dtype),
+                torch.empty(n, H, K, dtype=dtype),
+                torch.empty(n, HV, V, dtype=dtype),
+                torch.empty(n, HV, dtype=torch.float32),
+                torch.empty(n, HV, dtype=torch.float32),
+                False,
+            )
         return prepared[n]
 
     layer._qla_conv_prefill = lambda x, conv_state, md: x
     layer._qla_conv_decode = lambda x, conv_state, md: x
     layer._qla_prefill_inputs = engine_prefill_inputs
 
-    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, Python {platform.python_version()}; "
-          f"GDN layer H={H} HV={HV} K={K} V={V}, {dtype} activations, {ssm_dtype} state pool")
+    print(
+        f"vLLM {vllm.__version__}, torch {torch.__version__}, Python {platform.python_version()}; "
+        f"GDN layer H={H} HV={HV} K={K} V={V}, {dtype} activations, {ssm_dtype} state pool"
+    )
     print(f"kernels: {launcher}")
-    results = {"engine": f"vllm {vllm.__version__}", "launcher": launcher, "state_dtype": str(ssm_dtype),
-               "scenarios": {}}
+    results = {
+        "engine": f"vllm {vllm.__version__}",
+        "launcher": launcher,
+        "state_dtype": str(ssm_dtype),
+        "scenarios": {},
+    }
     for name, query, context in (
-        (f"mixed: 1 prefill chunk of 2048 tokens + {DECODES} decodes",
-         [1] * DECODES + [2048], [700 + 13 * i for i in range(DECODES)] + [2048]),
+        (
+            f"mixed: 1 prefill chunk of 2048 tokens + {DECODES} decodes",
+            [1] * DECODES + [2048],
+            [700 + 13 * i for i in range(DECODES)] + [2048],
+        ),
         ("prefill: 8 sequences of 1024 tokens", [1024] * 8, [0, 0, 0, 0, 512, 512, 1024, 4096]),
     ):
         results["scenarios"][name] = vllm_scenario(layer, config, name, query, context, args)
@@ -520,16 +619,17 @@ def run_vllm(args) -> dict:
 def vllm_scenario(layer, config, name, query, context, args) -> dict:
     import qla_vllm_helpers as helpers
     import torch
+    from qla_serving.integrations.vllm import metadata as qla_md
     from vllm.forward_context import set_forward_context
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
     import qla_serving
-    from qla_serving.integrations.vllm import metadata as qla_md
 
     common = helpers.common_metadata(query, context, list(range(1, len(query) + 1)))
     builder = helpers.metadata_builder(layer, config)
-    plain = GDNAttentionMetadataBuilder(layer.get_kv_cache_spec(config), [layer.prefix], config,
-                                        torch.device("cpu"))
+    plain = GDNAttentionMetadataBuilder(
+        layer.get_kv_cache_spec(config), [layer.prefix], config, torch.device("cpu")
+    )
 
     def build_fresh():
         qla_md._last_plan = None  # a step whose lengths differ from the previous step's
@@ -557,8 +657,14 @@ def vllm_scenario(layer, config, name, query, context, args) -> dict:
 
     host = [common.query_start_loc_cpu] + plan_host_tensors(md.qla_plan)
     with set_forward_context({layer.prefix: md}, config):
-        rec = record_levels(layer_call, [(qla_serving, "gated_delta_rule_decode", "op: decode"),
-                                         (qla_serving, "chunk_gated_delta_rule_pool", "op: prefill")], host)
+        rec = record_levels(
+            layer_call,
+            [
+                (qla_serving, "gated_delta_rule_decode", "op: decode"),
+                (qla_serving, "chunk_gated_delta_rule_pool", "op: prefill"),
+            ],
+            host,
+        )
         per_layer = time_levels(layer_call, rec, args.reps, args.warmup)
         with DataShims(per_layer["total"]["shimmed"]):
             prof = profile_text(layer_call, args.reps) if args.profile else None
@@ -576,19 +682,28 @@ def run_sglang(args) -> dict:
 
     emulate_sm90()
     launcher = install_noop_kernels()
-    from test_sglang_kernel import extend_batch, make_kernel  # the SGLang tests' own batch objects
-
     from qla_serving.integrations.sglang import kernel as sgl_kernel
+    from test_sglang_kernel import extend_batch, make_kernel  # the SGLang tests' own batch objects
 
     version = getattr(sglang, "__version__", "?")
     pool_dtype = torch.bfloat16 if args.state == "bf16" else torch.float32
-    print(f"SGLang {version}, torch {torch.__version__}, Python {platform.python_version()}; GDN layer "
-          f"H={QK_HEADS} HV={V_HEADS} K=V={HEAD_DIM}, bf16 activations, {pool_dtype} state pool")
+    print(
+        f"SGLang {version}, torch {torch.__version__}, Python {platform.python_version()}; GDN layer "
+        f"H={QK_HEADS} HV={V_HEADS} K=V={HEAD_DIM}, bf16 activations, {pool_dtype} state pool"
+    )
     print(f"kernels: {launcher}")
-    results = {"engine": f"sglang {version}", "launcher": launcher, "state_dtype": str(pool_dtype), "scenarios": {}}
+    results = {
+        "engine": f"sglang {version}",
+        "launcher": launcher,
+        "state_dtype": str(pool_dtype),
+        "scenarios": {},
+    }
     ssm_states = torch.zeros(NUM_SLOTS, V_HEADS, HEAD_DIM, HEAD_DIM, dtype=pool_dtype)
     for name, lens in (
-        (f"mixed (--enable-mixed-chunk): 1 prefill chunk of 2048 tokens + {DECODES} decodes", [2048] + [1] * DECODES),
+        (
+            f"mixed (--enable-mixed-chunk): 1 prefill chunk of 2048 tokens + {DECODES} decodes",
+            [2048] + [1] * DECODES,
+        ),
         ("prefill: 8 sequences of 1024 tokens", [1024] * 8),
     ):
         kernel = make_kernel()
@@ -602,10 +717,19 @@ def run_sglang(args) -> dict:
         g = torch.zeros(1, T, V_HEADS, dtype=torch.float32)
         beta = torch.zeros(1, T, V_HEADS, dtype=torch.float32)
         output = torch.empty(1, T, V_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-        kwargs = dict(ssm_states=ssm_states, cache_indices=md.mamba_cache_indices, query_start_loc=md.query_start_loc,
-                      state_checkpoint_cu_starts=None, num_state_checkpoints=None,
-                      state_checkpoint_every_n_tokens=None, output=output, layer_id=0,
-                      extend_prefix_lens=None, track_state=None, track_chunk_idx=None)
+        kwargs = dict(
+            ssm_states=ssm_states,
+            cache_indices=md.mamba_cache_indices,
+            query_start_loc=md.query_start_loc,
+            state_checkpoint_cu_starts=None,
+            num_state_checkpoints=None,
+            state_checkpoint_every_n_tokens=None,
+            output=output,
+            layer_id=0,
+            extend_prefix_lens=None,
+            track_state=None,
+            track_chunk_idx=None,
+        )
 
         def begin():
             kernel._batches = []
@@ -618,9 +742,14 @@ def run_sglang(args) -> dict:
             kernel.extend(q, k, v, g, beta, **kwargs)
 
         plan = kernel._batches[0].plan
-        rec = record_levels(layer_call, [(sgl_kernel, "chunk_gated_delta_rule_pool", "op: prefill"),
-                                         (sgl_kernel, "gated_delta_rule_decode", "op: decode")],
-                            plan_host_tensors(plan))
+        rec = record_levels(
+            layer_call,
+            [
+                (sgl_kernel, "chunk_gated_delta_rule_pool", "op: prefill"),
+                (sgl_kernel, "gated_delta_rule_decode", "op: decode"),
+            ],
+            plan_host_tensors(plan),
+        )
         per_layer = time_levels(layer_call, rec, args.reps, args.warmup)
         with DataShims(per_layer["total"]["shimmed"]):
             prof = profile_text(layer_call, args.reps) if args.profile else None
@@ -639,16 +768,20 @@ def use_tree(tree: pathlib.Path) -> None:
     import importlib.abc
     import importlib.util
 
-    layout = {"qla_serving": "qla_serving", "qla_serving.kernels": "kernels",
-              "qla_serving.integrations": "integrations"}
+    layout = {
+        "qla_serving": "qla_serving",
+        "qla_serving.kernels": "kernels",
+        "qla_serving.integrations": "integrations",
+    }
 
     class TreeFinder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
             if name not in layout:
                 return None
             where = tree / layout[name]
-            return importlib.util.spec_from_file_location(name, where / "__init__.py",
-                                                          submodule_search_locations=[str(where)])
+            return importlib.util.spec_from_file_location(
+                name, where / "__init__.py", submodule_search_locations=[str(where)]
+            )
 
     sys.meta_path.insert(0, TreeFinder())
 
@@ -656,8 +789,11 @@ def use_tree(tree: pathlib.Path) -> None:
 # glibc hands blocks above its mmap threshold (128 KiB by default) straight back to the kernel, so a
 # CPU run would pay mmap/munmap and page faults for every workspace the CUDA caching allocator
 # serves from its cache: keep freed blocks in the heap instead.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31),
-              "MALLOC_TOP_PAD_": str(2**28)}
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(2**30),
+    "MALLOC_TRIM_THRESHOLD_": str(2**31),
+    "MALLOC_TOP_PAD_": str(2**28),
+}
 
 
 def main(argv=None) -> int:
@@ -667,12 +803,19 @@ def main(argv=None) -> int:
     parser.add_argument("engine", choices=("vllm", "sglang"))
     parser.add_argument("--reps", type=int, default=3000, help="timed repetitions per measurement (median)")
     parser.add_argument("--warmup", type=int, default=300, help="untimed repetitions first")
-    parser.add_argument("--state", choices=("bf16", "fp32"), default="bf16",
-                        help="SGLang's state pool dtype (vLLM's comes from its config)")
+    parser.add_argument(
+        "--state",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="SGLang's state pool dtype (vLLM's comes from its config)",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile the per-layer call (tottime)")
     parser.add_argument("--json", help="also write the numbers here")
-    parser.add_argument("--tree", type=pathlib.Path,
-                        help="measure the qla-serving of this checkout (default: the installed one)")
+    parser.add_argument(
+        "--tree",
+        type=pathlib.Path,
+        help="measure the qla-serving of this checkout (default: the installed one)",
+    )
     args = parser.parse_args(argv)
     if args.tree is not None:
         use_tree(args.tree.resolve())
@@ -685,11 +828,20 @@ def main(argv=None) -> int:
     import qla_serving
 
     tree = pathlib.Path(qla_serving.__file__).resolve().parent.parent
-    print(f"\nqla-serving from {tree}; CPU {_cpu_name()}; each number: {args.warmup} warm-up calls, then "
-          f"{BLOCKS} blocks of {args.reps // BLOCKS} timed calls, the lowest block median")
+    print(
+        f"\nqla-serving from {tree}; CPU {_cpu_name()}; each number: {args.warmup} warm-up calls, then "
+        f"{BLOCKS} blocks of {args.reps // BLOCKS} timed calls, the lowest block median"
+    )
     print(NOT_MEASURED)
-    results.update(tree=str(tree), cpu=_cpu_name(), python=platform.python_version(), torch=torch.__version__,
-                   reps=args.reps, warmup=args.warmup, not_measured=NOT_MEASURED)
+    results.update(
+        tree=str(tree),
+        cpu=_cpu_name(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        reps=args.reps,
+        warmup=args.warmup,
+        not_measured=NOT_MEASURED,
+    )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0
