@@ -64,29 +64,35 @@ class PrefillPlan:
     chunk_size: int = CHUNK_SIZE
     extras: dict = field(default_factory=dict)
 
-    @property
+    # The sizes below are read by every layer's op and kernel call: computed once per plan (the
+    # tables are not changed after planning), not once per layer.
+    @functools.cached_property
     def num_seqs(self) -> int:
         return self.cu_seqlens_cpu.numel() - 1
 
-    @property
+    @functools.cached_property
     def total_tokens(self) -> int:
         return int(self.cu_seqlens_cpu[-1])
 
-    @property
+    @functools.cached_property
     def num_chunks(self) -> int:
         return int(self.chunk_offsets_cpu[-1])
 
-    @property
+    @functools.cached_property
     def num_checkpoints(self) -> int:
         return int(self.checkpoint_offsets_cpu[-1])
 
     @property
     def seq_lens(self) -> list[int]:
-        return self.cu_seqlens_cpu.diff().tolist()
+        return list(self._seq_lens)
 
-    @property
+    @functools.cached_property
+    def _seq_lens(self) -> tuple[int, ...]:
+        return tuple(self.cu_seqlens_cpu.diff().tolist())
+
+    @functools.cached_property
     def max_seqlen(self) -> int:
-        return max(self.seq_lens, default=0)
+        return max(self._seq_lens, default=0)
 
     @property
     def device(self) -> torch.device:
@@ -108,8 +114,8 @@ def plan_prefill(
     Args:
         cu_seqlens_cpu: ``[N + 1]`` non-decreasing integer offsets starting at 0, on the CPU
             (a list is accepted). Zero-length sequences are allowed and own no chunk.
-        device: where the kernels run; the index tables are copied there once
-            (non-blocking from pinned memory when it is a CUDA device).
+        device: where the kernels run; the index tables are copied there once (for a CUDA
+            device: all of them in one non-blocking copy from pinned memory).
         checkpoint_every: write the state every this many tokens (a positive multiple of
             ``chunk_size``) for prefix caching; None for no checkpoints.
         chunk_size: tokens per chunk (64: the kernels' chunk).
@@ -133,27 +139,31 @@ def plan_prefill(
     if cu.dtype.is_floating_point or cu.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got {cu.dtype}")
     cu = cu.to(torch.int64)
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
-    lens = cu.diff()
-    if bool((lens < 0).any()):
+    cu_list = cu.tolist()  # planning works on host lists; torch only for the per-chunk tables
+    if cu_list[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {cu_list[0]}")
+    lens_list = [b - a for a, b in zip(cu_list, cu_list[1:])]
+    if any(L < 0 for L in lens_list):
         raise ValueError("cu_seqlens must be non-decreasing")
-    if cu[-1] >= 2**31:
-        raise ValueError(f"total token count {int(cu[-1])} exceeds the int32 index range")
+    if cu_list[-1] >= 2**31:
+        raise ValueError(f"total token count {cu_list[-1]} exceeds the int32 index range")
     if checkpoint_every is not None and (checkpoint_every <= 0 or checkpoint_every % chunk_size):
         raise ValueError(f"checkpoint_every={checkpoint_every} must be a positive multiple of {chunk_size}")
 
-    chunks = (lens + chunk_size - 1) // chunk_size
-    chunk_offsets = torch.zeros(cu.numel(), dtype=torch.int32)
-    chunk_offsets[1:] = chunks.cumsum(0)
-    seq_of_chunk = torch.repeat_interleave(torch.arange(lens.numel(), dtype=torch.int32), chunks)
+    chunks_list = [-(-L // chunk_size) for L in lens_list]
+    # Small per-sequence tables in Python (a sequence at a time), the per-chunk ones in torch.
+    chunk_offsets_list, ckpt_offsets_list = [0], [0]
+    for L, n in zip(lens_list, chunks_list):
+        chunk_offsets_list.append(chunk_offsets_list[-1] + n)
+        ckpt_offsets_list.append(ckpt_offsets_list[-1] + (L // checkpoint_every if checkpoint_every else 0))
+    chunk_offsets = torch.tensor(chunk_offsets_list, dtype=torch.int32)
+    ckpt_offsets = torch.tensor(ckpt_offsets_list, dtype=torch.int32)
+    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens_list), dtype=torch.int32),
+                                           torch.tensor(chunks_list, dtype=torch.int64))
     seq_long = seq_of_chunk.long()
     chunk_in_seq = torch.arange(seq_of_chunk.numel(), dtype=torch.int32) - chunk_offsets[seq_long]
     chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1)
     chunk_bounds = torch.stack([cu[seq_long] + chunk_in_seq * chunk_size, cu[seq_long + 1]], dim=1).to(torch.int32)
-    ckpt_offsets = torch.zeros(cu.numel(), dtype=torch.int32)
-    if checkpoint_every:
-        ckpt_offsets[1:] = (lens // checkpoint_every).cumsum(0)
 
     device = torch.device(device) if device is not None else torch.device("cpu")
 
@@ -164,41 +174,91 @@ def plan_prefill(
         if sm_count is None:
             sm_count = _sm_count(device)
         if sm_count:
-            cp = plan_context_parallel(lens.tolist(), num_v_heads, sm_count, segment_tokens=cp_segment_tokens)
-    work_items = _work_items(lens, chunks, cp, chunk_size)
+            cp = plan_context_parallel(lens_list, num_v_heads, sm_count, segment_tokens=cp_segment_tokens)
+    work_items = _work_items(lens_list, chunks_list, cp, chunk_size)
 
-    def to_device(x: torch.Tensor) -> torch.Tensor:
-        if device.type == "cuda":
-            return x.pin_memory().to(device, non_blocking=True)
-        return x.to(device)
-
-    return PrefillPlan(
+    tables = _to_device(
+        [cu.to(torch.int32), chunk_offsets, chunk_indices, chunk_bounds, ckpt_offsets, work_items], device)
+    plan = PrefillPlan(
         cu_seqlens_cpu=cu,
-        cu_seqlens=to_device(cu.to(torch.int32)),
+        cu_seqlens=tables[0],
         chunk_offsets_cpu=chunk_offsets,
-        chunk_offsets=to_device(chunk_offsets),
-        chunk_indices=to_device(chunk_indices.contiguous()),
-        chunk_bounds=to_device(chunk_bounds.contiguous()),
+        chunk_offsets=tables[1],
+        chunk_indices=tables[2],
+        chunk_bounds=tables[3],
         checkpoint_every=checkpoint_every,
         checkpoint_offsets_cpu=ckpt_offsets,
-        checkpoint_offsets=to_device(ckpt_offsets),
+        checkpoint_offsets=tables[4],
         work_items_cpu=work_items,
-        work_items=to_device(work_items),
+        work_items=tables[5],
         context_parallel=cp,
         chunk_size=chunk_size,
     )
+    # what the host already knows (the cached properties would read it back from the tensors)
+    plan.num_seqs = len(lens_list)
+    plan.total_tokens = cu_list[-1]
+    plan.num_chunks = chunk_offsets_list[-1]
+    plan.num_checkpoints = ckpt_offsets_list[-1]
+    plan._seq_lens = tuple(lens_list)
+    return plan
 
 
-def _work_items(lens: torch.Tensor, chunks: torch.Tensor, cp: ContextParallelPlan | None,
+# Offsets of the tables inside the one buffer they are copied to the device in: multiples of 512
+# bytes, the CUDA caching allocator's own alignment, so each table starts as aligned as a tensor of
+# its own would.
+_TABLE_ALIGN = 128  # int32 elements
+
+
+def _to_device(tables: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The plan's int32 index tables on ``device``.
+
+    For a CUDA device they go in one host->device copy (one pinned staging buffer, one
+    non-blocking copy; each table a view of the device buffer at an offset aligned like an
+    allocation of its own) instead of one pinned allocation and one copy per table: this runs once
+    per step, before every layer.
+    """
+    if device.type == "cpu":
+        return tables
+    if device.type != "cuda":
+        return [t.to(device) for t in tables]
+    staging, offsets = _pack(tables, pin=True)
+    return _unpack(staging.to(device, non_blocking=True), tables, offsets)
+
+
+def _pack(tables: list[torch.Tensor], pin: bool) -> tuple[torch.Tensor, list[int]]:
+    """One int32 host buffer holding ``tables`` at offsets that are multiples of ``_TABLE_ALIGN``."""
+    offsets, total = [], 0
+    for t in tables:
+        if t.dtype != torch.int32:
+            raise TypeError(f"plan tables are int32, got {t.dtype}")
+        offsets.append(total)
+        total += -(-t.numel() // _TABLE_ALIGN) * _TABLE_ALIGN
+    staging = torch.empty(total, dtype=torch.int32, pin_memory=pin)
+    for t, o in zip(tables, offsets):
+        staging[o: o + t.numel()].copy_(t.reshape(-1))
+    return staging, offsets
+
+
+def _unpack(buffer: torch.Tensor, tables: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+    return [buffer[o: o + t.numel()].view(t.shape) for t, o in zip(tables, offsets)]
+
+
+def _work_items(lens: list[int], chunks: list[int], cp: ContextParallelPlan | None,
                 chunk_size: int) -> torch.Tensor:
     """``[W, 4]`` int32 rows ``(sequence, first chunk, first output chunk, end chunk)``."""
-    rows = []
-    for i, n in enumerate(chunks.tolist()):
-        starts = [0] if cp is None else [s // chunk_size for s in cp.segments[i] if s < int(lens[i])] or [0]
-        ends = starts[1:] + [n]
-        warm = 0 if cp is None else cp.warmup_tokens // chunk_size
-        for s, e in zip(starts, ends):
-            rows.append((i, max(s - warm, 0), s, e))
+    if cp is None:
+        rows = [(i, 0, 0, n) for i, n in enumerate(chunks)]
+    else:
+        rows = []
+        warm = cp.warmup_tokens // chunk_size
+        for i, (L, n) in enumerate(zip(lens, chunks)):
+            if len(cp.segments[i]) == 1:  # not split (most sequences of a batch): one item
+                rows.append((i, 0, 0, n))
+                continue
+            starts = [s // chunk_size for s in cp.segments[i] if s < L] or [0]
+            ends = starts[1:] + [n]
+            for s, e in zip(starts, ends):
+                rows.append((i, max(s - warm, 0), s, e))
     return torch.tensor(rows, dtype=torch.int32).view(-1, 4)
 
 

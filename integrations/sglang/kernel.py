@@ -162,7 +162,10 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         return batch
 
     def _batch_for(self, query_start_loc: torch.Tensor) -> BatchPlan | None:
-        return next((b for b in self._batches if b.query_start_loc is query_start_loc), None)
+        for batch in self._batches:
+            if batch.query_start_loc is query_start_loc:
+                return batch
+        return None
 
     @staticmethod
     def _tracks_chunk_state(metadata) -> bool:
@@ -172,9 +175,12 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         h_src = getattr(metadata, "track_ssm_h_src", None)
         return h_src is not None and h_src.numel() > 0
 
-    def _plan_for(self, query_start_loc: torch.Tensor, checkpoint_every: int | None) -> PrefillPlan:
-        """The batch's plan (with checkpoints every ``checkpoint_every`` tokens if asked)."""
-        batch = self._batch_for(query_start_loc)
+    def _plan_for(self, query_start_loc: torch.Tensor, checkpoint_every: int | None,
+                  batch: BatchPlan | None = None) -> PrefillPlan:
+        """The batch's plan (with checkpoints every ``checkpoint_every`` tokens if asked);
+        ``batch``: the caller's :meth:`_batch_for` of ``query_start_loc``, if it has it."""
+        if batch is None:
+            batch = self._batch_for(query_start_loc)
         if batch is None:  # a batch begin_batch did not see (an extend outside SGLang's GDN backend)
             batch = self._remember(BatchPlan(query_start_loc=query_start_loc, plan=None, track=False))
         if batch.plan is not None:
@@ -271,13 +277,16 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
                 query_start_loc=query_start_loc,
                 **kwargs,
             )
-        plan = self._plan_for(query_start_loc, every)
+        plan = self._plan_for(query_start_loc, every, batch)
         n_tok, N = plan.total_tokens, plan.num_seqs
         if n_tok > total:
             raise ValueError(f"query_start_loc covers {n_tok} tokens but q has {total}")
 
         def flat(x: torch.Tensor, inner: tuple[int, ...]) -> torch.Tensor:
-            return x.reshape(total, *inner)[:n_tok].contiguous()
+            x = x.reshape(total, *inner)
+            return (x if n_tok == total else x[:n_tok]).contiguous()
+
+        slots = cache_indices if cache_indices.shape[0] == N else cache_indices[:N]
 
         states = None
         if want_states:
@@ -286,7 +295,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             states = torch.empty(
                 N + plan.num_checkpoints, HV, V, K, dtype=ssm_states.dtype, device=ssm_states.device
             )
-            states[:N] = ssm_states[cache_indices[:N].long()]
+            states[:N] = ssm_states[slots.long()]
         output = kwargs.get("output")
         # SGLang's preallocated layer output (``linear_attn_output``): writing into it saves
         # SGLang a copy. Used when it is exactly the op's output layout.
@@ -307,7 +316,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             flat(g, (HV,)),
             flat(beta, (HV,)),
             state_pool=ssm_states,
-            state_indices=cache_indices[:N],
+            state_indices=slots,
             plan=plan,
             scale=K**-0.5,
             use_qk_l2norm_in_kernel=True,

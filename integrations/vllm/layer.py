@@ -44,13 +44,23 @@ from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
 
 from . import support, warmup
 from .args import BACKEND_NAME, CONFIG_KEY, flashqla_requested
-from .metadata import QlaGDNAttentionBackend, QlaGDNAttentionMetadata
+from .metadata import (  # noqa: F401 - VLLM_NULL_BLOCK_ID: this module's name for it too
+    VLLM_NULL_BLOCK_ID,
+    QlaGDNAttentionBackend,
+    QlaGDNAttentionMetadata,
+    _engine_slots,
+)
 
 logger = logging.getLogger("vllm.qla_serving")
 
-# vLLM marks a padded row's state slot with NULL_BLOCK_ID (0, a block no request owns);
-# qla-serving's decode marks it with -1.
-VLLM_NULL_BLOCK_ID = 0
+
+def _rows(x: torch.Tensor, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x[:first]`` and ``x[first:end]`` in one view op (each slice is a microsecond or two of
+    host time, in every layer of an eager step). For inputs only: autograd forbids writing in
+    place into the views of a multi-view op."""
+    rest = x.shape[0] - end
+    parts = x.split_with_sizes([first, end - first, rest] if rest else [first, end - first])
+    return parts[0], parts[1]
 
 
 _announced = False
@@ -189,7 +199,8 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
         ssm_state = self.kv_cache[1]
         n = md.num_actual_tokens
-        mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
+        if mixed_qkv.shape[0] != n:  # the batch is padded (CUDA graphs): only the step's tokens
+            mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
         spec = md.spec_sequence_masks is not None
         only_spec = spec and md.num_prefills == 0 and md.num_decodes == 0
 
@@ -220,16 +231,24 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if md.num_prefills > 0:
             peel_decodes = not spec and md.num_decodes > 0
             nd = md.num_decode_tokens if peel_decodes else 0
-            if peel_decodes:
-                self._qla_decode(qkv_ns[:nd], a_ns[:nd], b_ns[:nd], ssm_state,
-                                 md.non_spec_state_indices_tensor[: md.num_decodes], core_attn_out[:nd])
             end = nd + md.num_prefill_tokens
+            (x_d, x_p), (a_d, a_p), (b_d, b_p) = (_rows(t, nd, end) for t in (qkv_ns, a_ns, b_ns))
+            if peel_decodes:
+                slots = getattr(md, "qla_decode_state_indices", None)  # mapped once per step
+                if slots is None:
+                    slots = _engine_slots(md.non_spec_state_indices_tensor[: md.num_decodes])
+                self._qla_decode(x_d, a_d, b_d, ssm_state, slots, core_attn_out[:nd])
+            # (outputs are written in place: plain slices, taken as they are written)
             out = core_attn_out[nd:end] if not spec else None
-            o_ns = self._qla_prefill(qkv_ns[nd:end], a_ns[nd:end], b_ns[nd:end], ssm_state, md, out)
+            o_ns = self._qla_prefill(x_p, a_p, b_p, ssm_state, md, out)
         elif md.num_decodes > 0:
+            # Pure decode: in serving a FULL CUDA graph replays this, so the slot mapping stays in
+            # the layer (captured, reading vLLM's persistent index buffer) rather than in a tensor
+            # the builder would make anew every step.
             nd = md.num_decode_tokens
-            self._qla_decode(qkv_ns[:nd], a_ns[:nd], b_ns[:nd], ssm_state,
-                             md.non_spec_state_indices_tensor[:nd], core_attn_out[:nd])
+            x_d, a_d, b_d = (_rows(t, 0, nd)[1] for t in (qkv_ns, a_ns, b_ns))
+            self._qla_decode(x_d, a_d, b_d, ssm_state, _engine_slots(md.non_spec_state_indices_tensor[:nd]),
+                             core_attn_out[:nd])
 
         if spec:
             if only_spec:
@@ -302,10 +321,17 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     # --------------------------------------------------------------- recurrence
 
-    def _split_qkv(self, x):
-        """``[L, qkv_dim]`` -> contiguous q, k ``[L, H, K]`` and v ``[L, HV, V]``."""
-        q, k, v = self.rearrange_mixed_qkv(x)
-        return q.squeeze(0), k.squeeze(0), v.squeeze(0)
+    def _split_qkv(self, x, *rows):
+        """``[L, qkv_dim]`` -> contiguous q, k ``[*rows, H, K]`` and v ``[*rows, HV, V]``
+        (``rows``: ``L`` when not given): one copy each. vLLM's ``rearrange_mixed_qkv`` copies
+        each part, then all three again into one buffer: four kernels where three do, in the eager
+        GDN op of a mixed step."""
+        rows = rows or (x.shape[0],)
+        H, HV = self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size
+        K, V = self.head_k_dim, self.head_v_dim
+        q, k, v = x.split_with_sizes([H * K, H * K, HV * V], dim=-1)
+        return (q.contiguous().view(*rows, H, K), k.contiguous().view(*rows, H, K),
+                v.contiguous().view(*rows, HV, V))
 
     def _qla_prefill(self, x, a, b, ssm_state, md: QlaGDNAttentionMetadata, out):
         """Chunked prefill of the planned sequences, state in ``ssm_state`` in place."""
@@ -338,13 +364,16 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         g, beta = gdn_gate_ref(a, b, self.A_log, self.dt_bias, dtype=torch.float32)
         return q, k, v, g, beta, True
 
-    def _qla_decode(self, x, a, b, ssm_state, state_indices, out) -> None:
-        """One token per row, state read and written in place at ``state_indices``."""
-        q, k, v = self._split_qkv(x)
-        idx = torch.where(state_indices > VLLM_NULL_BLOCK_ID, state_indices, -1)
+    def _qla_decode(self, x, a, b, ssm_state, slots, out) -> None:
+        """One token per row, state read and written in place at ``slots`` (qla-serving's: ``-1``
+        for a padded row, see :func:`_engine_slots`). The op gets the ``[N, 1, ...]`` form it
+        runs (no per-tensor unsqueeze and squeeze in it)."""
+        N = x.shape[0]
+        q, k, v = self._split_qkv(x, N, 1)
         qla_serving.gated_delta_rule_decode(
-            q, k, v, a.contiguous(), b.contiguous(), self.A_log, self.dt_bias, ssm_state, idx,
-            scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True, out=out,
+            q, k, v, a.contiguous().view(N, 1, -1), b.contiguous().view(N, 1, -1), self.A_log, self.dt_bias,
+            ssm_state, slots, scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True,
+            out=out.view(N, 1, *out.shape[1:]),
         )
 
     def _qla_spec_decode(self, x, a, b, ssm_state, md):
@@ -364,15 +393,13 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             )
         # Tokens past rows * T are CUDA-graph padding of the batch.
         x, a, b = x[: rows * T], a[: rows * T], b[: rows * T]
-        q, k, v = self._split_qkv(x)
-        H, K = q.shape[1], q.shape[2]
-        HV, V = v.shape[1], v.shape[2]
+        q, k, v = self._split_qkv(x, rows, T)
+        K, HV, V = q.shape[3], v.shape[2], v.shape[3]
         read_col = (md.num_accepted_tokens[:rows].long() - 1).clamp(min=0)
-        read = slots.gather(1, read_col.unsqueeze(1)).squeeze(1)
-        read = torch.where(read > VLLM_NULL_BLOCK_ID, read, -1)
+        read = _engine_slots(slots.gather(1, read_col.unsqueeze(1)).squeeze(1))
         states = torch.empty(rows, T, HV, V, K, dtype=ssm_state.dtype, device=ssm_state.device)
         o = qla_serving.gated_delta_rule_decode(
-            q.view(rows, T, H, K), k.view(rows, T, H, K), v.view(rows, T, HV, V),
+            q, k, v,
             a.contiguous().view(rows, T, HV), b.contiguous().view(rows, T, HV), self.A_log, self.dt_bias,
             ssm_state, read, scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True,
             intermediate_states=states, inplace_final_state=False,

@@ -41,6 +41,10 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
             rows the plan keeps, or None when it keeps them all.
         qla_spec_uniform: with speculative rows, whether every one has ``num_spec + 1``
             tokens (host-side, so the layer knows without a sync); None without them.
+        qla_decode_state_indices: ``[num_decodes]`` int32 on the device — in a step with
+            prefills and (non-speculative) decodes, the decodes' pool slots with vLLM's null
+            block as ``-1``: mapped once per step, not in every layer. None otherwise (a pure
+            decode step maps them in the layer, where vLLM's FULL CUDA graph captures it).
     """
 
     qla_plan: PrefillPlan | None = None
@@ -48,6 +52,7 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
     qla_prefill_has_initial_state: torch.Tensor | None = None
     qla_prefill_rows: torch.Tensor | None = None
     qla_spec_uniform: bool | None = None
+    qla_decode_state_indices: torch.Tensor | None = None
 
 
 def prefill_query_lens_cpu(
@@ -55,12 +60,13 @@ def prefill_query_lens_cpu(
     num_reqs: int,
     num_decodes: int,
     spec_sequence_mask_cpu: torch.Tensor | None,
-) -> torch.Tensor:
+) -> list[int]:
     """Host lengths of the sequences vLLM sends to the chunked prefill, in its order.
 
     Mirrors ``GDNAttentionMetadataBuilder.build``: without speculative rows the batch is
     ``[decodes | prefills]`` and decodes are peeled off the front; with speculative rows the
     non-speculative rows (decodes reclassified as prefills) all go to the chunked prefill.
+    Worked out on host lists (one read of vLLM's CPU offsets): this runs once per step.
 
     Args:
         query_start_loc_cpu: ``[num_reqs + 1]`` (or longer, padded) int32 CPU offsets.
@@ -68,21 +74,35 @@ def prefill_query_lens_cpu(
         num_decodes: vLLM's ``num_decodes`` (0 when speculative rows exist).
         spec_sequence_mask_cpu: ``[num_reqs]`` bool, True for speculative rows, or None.
     """
-    lens = query_start_loc_cpu[: num_reqs + 1].diff().to(torch.int64)
+    qsl = query_start_loc_cpu[: num_reqs + 1].tolist()
+    lens = [b - a for a, b in zip(qsl, qsl[1:])]
     if spec_sequence_mask_cpu is not None:
-        return lens[~spec_sequence_mask_cpu[:num_reqs]]
+        spec = spec_sequence_mask_cpu[:num_reqs].tolist()
+        return [L for L, s in zip(lens, spec) if not s]
     return lens[num_decodes:]
+
+
+# vLLM marks a padded row's state slot with NULL_BLOCK_ID (0, a block no request owns);
+# qla-serving's decode marks it with -1.
+VLLM_NULL_BLOCK_ID = 0
+
+
+def _engine_slots(state_indices: torch.Tensor) -> torch.Tensor:
+    """vLLM's state slots with its null block (a padded row) as qla-serving's ``-1``."""
+    return torch.where(state_indices > VLLM_NULL_BLOCK_ID, state_indices, -1)
 
 
 _last_plan: tuple[tuple, PrefillPlan] | None = None
 
 
-def cached_plan(cu_seqlens_cpu: torch.Tensor, device: torch.device, num_v_heads: int | None = None) -> PrefillPlan:
-    """:func:`plan_prefill`, reusing the previous plan when another KV-cache group of the same
-    step (or a step with identical lengths) asks for the same one. With ``num_v_heads`` (the
-    GDN layers' value heads on this GPU) the planner also decides AutoCP."""
+def cached_plan(cu_seqlens_cpu: list[int], device: torch.device,
+                num_v_heads: int | None = None) -> PrefillPlan:
+    """:func:`plan_prefill` of the host offsets ``cu_seqlens_cpu``, reusing the previous plan when
+    another KV-cache group of the same step (or a step with identical lengths) asks for the same
+    one. With ``num_v_heads`` (the GDN layers' value heads on this GPU) the planner also decides
+    AutoCP."""
     global _last_plan
-    key = (str(device), tuple(cu_seqlens_cpu.tolist()), num_v_heads)
+    key = (str(device), tuple(cu_seqlens_cpu), num_v_heads)
     if _last_plan is not None and _last_plan[0] == key:
         return _last_plan[1]
     plan = plan_prefill(cu_seqlens_cpu, device=device, num_v_heads=num_v_heads)
@@ -126,6 +146,9 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         out = QlaGDNAttentionMetadata(**fields)
         if md.num_prefills > 0:
             self._attach_plan(out, common_attn_metadata, num_decode_draft_tokens_cpu)
+            if md.num_decodes > 0 and md.spec_sequence_masks is None:
+                decode_slots = md.non_spec_state_indices_tensor[: md.num_decodes]
+                out.qla_decode_state_indices = _engine_slots(decode_slots)
         if md.spec_sequence_masks is not None:
             m = common_attn_metadata
             mask = self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)
@@ -145,30 +168,31 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         if md.spec_sequence_masks is not None:
             spec_mask_cpu = self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)
         lens = prefill_query_lens_cpu(m.query_start_loc_cpu, m.num_reqs, md.num_decodes, spec_mask_cpu)
-        if int(lens.sum()) != md.num_prefill_tokens:
+        if sum(lens) != md.num_prefill_tokens:
             raise RuntimeError(
-                f"qla-serving: the prefill rows derived from vLLM's metadata hold {int(lens.sum())} tokens "
+                f"qla-serving: the prefill rows derived from vLLM's metadata hold {sum(lens)} tokens "
                 f"but vLLM counts {md.num_prefill_tokens}; this vLLM splits batches differently from the "
                 "versions the plugin supports"
             )
         state_indices = md.prefill_state_indices
         has_initial = md.prefill_has_initial_state
-        if state_indices is None or has_initial is None or state_indices.shape[0] != lens.numel():
+        if state_indices is None or has_initial is None or state_indices.shape[0] != len(lens):
             raise RuntimeError(
                 "qla-serving: vLLM's GDN metadata has no per-prefill state indices matching its prefill "
                 "rows; this vLLM is not supported by the plugin"
             )
-        keep = lens > 0
         rows = None
-        if not bool(keep.all()):
+        if 0 in lens:
             # Zero-length rows (padding) own no tokens; dropping them keeps every planned
             # sequence on a distinct, real slot.
-            rows = keep.nonzero().squeeze(1).to(state_indices.device, non_blocking=True)
+            keep = [i for i, L in enumerate(lens) if L > 0]
+            rows = torch.tensor(keep, dtype=torch.int64).to(state_indices.device, non_blocking=True)
             state_indices = state_indices.index_select(0, rows)
             has_initial = has_initial.index_select(0, rows)
-            lens = lens[keep]
-        cu = torch.zeros(lens.numel() + 1, dtype=torch.int64)
-        torch.cumsum(lens, 0, out=cu[1:])
+            lens = [L for L in lens if L > 0]
+        cu = [0]
+        for L in lens:
+            cu.append(cu[-1] + L)
         md.qla_plan = cached_plan(cu, m.query_start_loc.device, self.qla_num_v_heads)
         md.qla_prefill_state_indices = state_indices
         md.qla_prefill_has_initial_state = has_initial
@@ -184,6 +208,8 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             idx = new.prefill_state_indices
             new.qla_prefill_state_indices = idx if new.qla_prefill_rows is None else idx.index_select(
                 0, new.qla_prefill_rows)
+        if isinstance(new, QlaGDNAttentionMetadata) and new.qla_decode_state_indices is not None:
+            new.qla_decode_state_indices = _engine_slots(new.non_spec_state_indices_tensor[: new.num_decodes])
         return new
 
 

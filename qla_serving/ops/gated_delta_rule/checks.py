@@ -19,8 +19,13 @@ POOL_DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+# These run on every op call, in every layer: the common (valid) case does the comparison and
+# nothing else; the error message is built only when a check fails.
+
+
 def expect_rank(name: str, x: torch.Tensor, ranks: Iterable[int], layout: str) -> None:
-    ranks = tuple(ranks)
+    if not isinstance(ranks, tuple):
+        ranks = tuple(ranks)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in ranks:
@@ -28,12 +33,13 @@ def expect_rank(name: str, x: torch.Tensor, ranks: Iterable[int], layout: str) -
 
 
 def expect_shape(name: str, x: torch.Tensor, shape: tuple, layout: str) -> None:
-    if tuple(x.shape) != tuple(shape):
+    if x.shape != shape and tuple(x.shape) != tuple(shape):  # torch.Size is a tuple: equal to a tuple
         raise ValueError(f"{name} must have shape {tuple(shape)} ({layout}), got {tuple(x.shape)}")
 
 
 def expect_dtype(name: str, x: torch.Tensor, dtypes: Iterable[torch.dtype]) -> None:
-    dtypes = tuple(dtypes)
+    if not isinstance(dtypes, tuple):
+        dtypes = tuple(dtypes)
     if x.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; expected one of {names}")

@@ -35,14 +35,18 @@ def _check_prefill_inputs(q, k, v, g, beta, T: int):
     checks.expect_shape("g", g, (T, HV), "[T, HV], one log-decay per token and value head")
     checks.expect_shape("beta", beta, (T, HV), "[T, HV], one write strength per token and value head")
     checks.expect_dtype("q", q, checks.ACTIVATION_DTYPES)
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}: q, k and v must share a dtype")
-    checks.expect_dtype("g", g, (torch.float32, q.dtype))
-    checks.expect_dtype("beta", beta, (torch.float32, q.dtype))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != q.dtype:
+                raise TypeError(
+                    f"{name} has dtype {x.dtype} but q has {q.dtype}: q, k and v must share a dtype")
+    gate_dtypes = (torch.float32, q.dtype)
+    checks.expect_dtype("g", g, gate_dtypes)
+    checks.expect_dtype("beta", beta, gate_dtypes)
     checks.expect_same_device(q.device, k=k, v=v, g=g, beta=beta)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.expect_contiguous(name, x)
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            checks.expect_contiguous(name, x)
     return H, HV, K, V
 
 
@@ -56,11 +60,28 @@ def _flatten_batch(name: str, x: torch.Tensor, rank: int, layout: str) -> torch.
     return x
 
 
-def _prefill_kernels():
-    """The TileLang chunked prefill (imported on first use: TileLang loads only where it runs)."""
-    from ...kernels.chunk_prefill import chunk_gated_delta_rule_fwd
+def _all_initial(plan: PrefillPlan, device: torch.device) -> torch.Tensor:
+    """``[N]`` True on ``device``, made once per plan (every layer of the batch passes the same,
+    and the kernels only read it), not allocated and filled again in every layer."""
+    ones = plan.extras.get("_all_initial")
+    if ones is None or ones.device != device:
+        ones = torch.ones(plan.num_seqs, dtype=torch.bool, device=device)
+        plan.extras["_all_initial"] = ones
+    return ones
 
-    return chunk_gated_delta_rule_fwd
+
+_kernel_module = None
+
+
+def _prefill_kernels():
+    """The TileLang chunked prefill (imported on first use: TileLang loads only where it runs; then
+    the module is kept, an attribute read per call instead of an import statement)."""
+    global _kernel_module
+    if _kernel_module is None:
+        from ...kernels import chunk_prefill
+
+        _kernel_module = chunk_prefill
+    return _kernel_module.chunk_gated_delta_rule_fwd
 
 
 def _run_prefill(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_initial_state,
@@ -158,7 +179,7 @@ def chunk_gated_delta_rule_pool(
     N = plan.num_seqs
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=False)
     if has_initial_state is None:
-        has_initial_state = torch.ones(N, dtype=torch.bool, device=q.device)
+        has_initial_state = _all_initial(plan, q.device)
     checks.expect_shape("has_initial_state", has_initial_state, (N,), "[N] bool")
     checks.expect_dtype("has_initial_state", has_initial_state, (torch.bool,))
     if checkpoints is not None:

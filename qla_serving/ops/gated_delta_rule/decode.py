@@ -13,11 +13,51 @@ from . import checks
 from .naive import recurrent_decode_ref
 
 
-def _decode_kernel():
-    """The TileLang decode step (imported on first use: TileLang loads only where it runs)."""
-    from ...kernels.decode import gated_delta_rule_decode_fwd
+_kernel_module = None
 
-    return gated_delta_rule_decode_fwd
+
+def _decode_kernel():
+    """The TileLang decode step (imported on first use: TileLang loads only where it runs; then
+    the module is kept, an attribute read per call instead of an import statement)."""
+    global _kernel_module
+    if _kernel_module is None:
+        from ...kernels import decode
+
+        _memoise_tile_table()
+        _kernel_module = decode
+    return _kernel_module.gated_delta_rule_decode_fwd
+
+
+# The decode kernel entry picks its tile on every call from DECODE_CONFIGS (kernels/configs.py) via
+# kernels/decode_tiles.py's ``_configured_tiles``, which parses the table's tile strings (a regex per
+# band) and checks each tile: microseconds of host work per layer call for a decision that changes
+# only when the table does. The kernel files are frozen (their bytes are the precompiled library's
+# digest), so the op layer memoises that parse where the kernels read it: once per pool dtype, and
+# again whenever DECODE_CONFIGS or its entry for that dtype is replaced (tests, tile sweeps).
+# ``force_tile`` is untouched: ``tile_for`` consults it before the table.
+_tile_tables: dict[str, tuple] = {}
+
+
+def _memoise_tile_table() -> None:
+    from ...kernels import decode_tiles
+
+    parse = decode_tiles._configured_tiles
+    if getattr(parse, "qla_memoised", False):
+        return
+
+    def configured_tiles(pool_dtype: str):
+        table = decode_tiles.DECODE_CONFIGS
+        entry = table.get(pool_dtype)
+        hit = _tile_tables.get(pool_dtype)
+        if hit is not None and hit[0] is table and hit[1] is entry:
+            return list(hit[2])
+        bands = parse(pool_dtype)
+        _tile_tables[pool_dtype] = (table, entry, tuple(bands))
+        return bands
+
+    configured_tiles.qla_memoised = True
+    configured_tiles.__doc__ = parse.__doc__
+    decode_tiles._configured_tiles = configured_tiles
 
 
 def gated_delta_rule_decode(
@@ -75,7 +115,7 @@ def gated_delta_rule_decode(
     checks.expect_shape("k", k, (N, T, H, K), "like q")
     checks.expect_rank("v", v, (4,), "[N, T, HV, V]")
     HV, V = v.shape[2], v.shape[3]
-    if tuple(v.shape[:2]) != (N, T):
+    if v.shape[:2] != (N, T):
         raise ValueError(f"v has leading dims {tuple(v.shape[:2])} but q has (N, T) = {(N, T)}")
     checks.expect_heads(H, HV)
     if not 1 <= T <= checks.MAX_DECODE_TOKENS:
@@ -84,18 +124,25 @@ def gated_delta_rule_decode(
     checks.expect_shape("b", b, (N, T, HV), "[N, (T,) HV]")
     checks.expect_shape("A_log", A_log, (HV,), "[HV]")
     checks.expect_shape("dt_bias", dt_bias, (HV,), "[HV]")
+    # (each group: one cheap test for the valid case, the per-tensor checks and messages on failure)
     checks.expect_dtype("q", q, checks.ACTIVATION_DTYPES)
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}: q, k and v must share a dtype")
-    for name, x in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-        checks.expect_dtype(name, x, checks.ACTIVATION_DTYPES)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != q.dtype:
+                raise TypeError(
+                    f"{name} has dtype {x.dtype} but q has {q.dtype}: q, k and v must share a dtype")
+    act = checks.ACTIVATION_DTYPES
+    if a.dtype not in act or b.dtype not in act or A_log.dtype not in act or dt_bias.dtype not in act:
+        for name, x in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+            checks.expect_dtype(name, x, act)
     checks.expect_pool("state_pool", state_pool, HV, V, K)
     checks.expect_same_device(q.device, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
                               state_pool=state_pool, state_indices=state_indices,
                               intermediate_states=intermediate_states, out=out)
-    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
-        checks.expect_contiguous(name, x)
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and a.is_contiguous()
+            and b.is_contiguous()):
+        for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+            checks.expect_contiguous(name, x)
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True)
     if intermediate_states is not None:
         checks.expect_shape("intermediate_states", intermediate_states, (N, T, HV, V, K), "[N, T, HV, V, K]")
