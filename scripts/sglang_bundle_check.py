@@ -230,6 +230,22 @@ def check_imports(sites: list[str] | None) -> int:
     return 1 if failures else 0
 
 
+class Steps:
+    """Runs the check's steps: ``ok`` or ``FAIL`` and the error per step, every step run whatever
+    failed before it; ``failures`` counts them."""
+
+    def __init__(self):
+        self.failures = 0
+
+    def __call__(self, label, fn):
+        try:
+            print(f"ok    {label}: {fn()}")
+        except BaseException as e:  # noqa: BLE001 -- report every failure, keep going
+            self.failures += 1
+            print(f"FAIL  {label}: {type(e).__name__}: {e}")
+            traceback.print_exc(limit=-6)
+
+
 def check_serving() -> int:
     """The serving benchmark's CPU-side steps for SGLang, with the bundle's SGLang (see the module
     docstring). Returns 1 if one fails."""
@@ -245,16 +261,7 @@ def check_serving() -> int:
     scratch = tempfile.TemporaryDirectory(prefix="qla-check-serving-")
     model_dir = serve.write_model(spec, layers, max_len, scratch.name, full_vocab=True)
     setup = serve.Setup("sglang", model_dir, 1, max_len)
-    failures = 0
-
-    def step(label, fn):
-        nonlocal failures
-        try:
-            print(f"ok    {label}: {fn()}")
-        except BaseException as e:  # noqa: BLE001 -- report every failure, keep going
-            failures += 1
-            print(f"FAIL  {label}: {type(e).__name__}: {e}")
-            traceback.print_exc(limit=-6)
+    step = Steps()
 
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
@@ -341,7 +348,7 @@ def check_serving() -> int:
 
     step("client command and dataset", client)
     scratch.cleanup()
-    return 1 if failures else 0
+    return 1 if step.failures else 0
 
 
 def check_stress() -> int:
@@ -353,20 +360,11 @@ def check_stress() -> int:
     from e2e_bench import serve
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    failures = 0
-
-    def step(label, fn):
-        nonlocal failures
-        try:
-            print(f"ok    {label}: {fn()}")
-        except BaseException as e:  # noqa: BLE001 -- report every failure, keep going
-            failures += 1
-            print(f"FAIL  {label}: {type(e).__name__}: {e}")
-            traceback.print_exc(limit=-6)
+    step = Steps()
 
     for module in STRESS_MODULES:
         step(f"import {module}", lambda module=module: importlib.import_module(module).__name__)
-    if failures:
+    if step.failures:
         return 1
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
@@ -471,7 +469,7 @@ def check_stress() -> int:
 
     step("stress metrics names", metrics)
     scratch.cleanup()
-    return 1 if failures else 0
+    return 1 if step.failures else 0
 
 
 if __name__ == "__main__":

@@ -180,7 +180,9 @@ class _Fake:
         writer.close()
 
 
-def test_http_client_against_a_stand_in_server():
+def _client_run(engine: str):
+    """The stress client's requests (one to completion, one dropped mid-decode, one mid-prefill),
+    the bad requests and a /metrics read, against a stand-in server speaking ``engine``'s API."""
     async def scenario():
         fake = _Fake()
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
@@ -188,46 +190,35 @@ def test_http_client_against_a_stand_in_server():
         reqs = [{"id": "ok", "prompt": [8, 9, 10, 11], "max_tokens": 3, "at": 0.01},
                 {"id": "drop", "prompt": [1] * 10, "max_tokens": 5, "abort": "decode"},
                 {"id": "early", "prompt": [1] * 10, "max_tokens": 5, "abort": "prefill"}]
-        got = await stress.run_requests("vllm", port, reqs, concurrent=True)
-        bad = await stress.run_bad("vllm", port, 64)
-        refused = await stress.http(1, "GET", "/health", timeout=2)
+        got = await stress.run_requests(engine, port, reqs, concurrent=True)
+        bad = await stress.run_bad(engine, port, 64)
+        _, text = await stress.http(port, "GET", "/metrics")
         server.close()
-        return got, bad, refused
+        return fake, got, bad, text
 
-    got, bad, refused = asyncio.run(scenario())
+    fake, got, bad, text = asyncio.run(scenario())
     assert got["ok"] == {"status": 200, "tokens": [1, 2, 3], "finish": "length"}
-    assert got["drop"]["status"] == 0 and got["early"]["status"] == 0
-    assert "abort_status" not in got["drop"]  # vLLM aborts on the disconnect alone
     by = {b["request"]: b for b in bad}
     assert by["empty prompt"]["status"] == 400 and by["malformed JSON"]["status"] == 400
     assert all(b["healthy_after"] and b["serves_after"] for b in bad)
-    assert refused == (-1, b"")
+    return fake, got, text
+
+
+def test_http_client_against_a_stand_in_server():
+    _, got, _ = _client_run("vllm")
+    assert got["drop"]["status"] == 0 and got["early"]["status"] == 0
+    assert "abort_status" not in got["drop"]  # vLLM aborts on the disconnect alone
+    assert asyncio.run(stress.http(1, "GET", "/health", timeout=2)) == (-1, b"")  # nothing listens
 
 
 def test_sglang_client_against_a_stand_in_server():
     """SGLang's shape: /generate with input_ids, output_ids back, and a dropped stream also aborted
     through /abort_request under the request's own rid."""
-    async def scenario():
-        fake = _Fake()
-        server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        reqs = [{"id": "ok", "prompt": [8, 9, 10, 11], "max_tokens": 3, "at": 0.01},
-                {"id": "drop", "prompt": [1] * 10, "max_tokens": 5, "abort": "decode"},
-                {"id": "early", "prompt": [1] * 10, "max_tokens": 5, "abort": "prefill"}]
-        got = await stress.run_requests("sglang", port, reqs, concurrent=True)
-        bad = await stress.run_bad("sglang", port, 64)
-        _, text = await stress.http(port, "GET", "/metrics")
-        server.close()
-        return fake, got, bad, stress.parse_metrics(text.decode(), "sglang")
-
-    fake, got, bad, metrics = asyncio.run(scenario())
-    assert got["ok"] == {"status": 200, "tokens": [1, 2, 3], "finish": "length"}
+    fake, got, text = _client_run("sglang")
     assert got["drop"] == {"status": 0, "tokens": None, "finish": None, "abort_status": 200}
     assert got["early"]["abort_status"] == 200
     assert sorted(fake.aborted) == ["stress-drop", "stress-early"]
-    by = {b["request"]: b for b in bad}
-    assert by["empty prompt"]["status"] == 400 and by["malformed JSON"]["status"] == 400
-    assert all(b["healthy_after"] and b["serves_after"] for b in bad)
+    metrics = stress.parse_metrics(text.decode(), "sglang")
     assert metrics["preemptions"] == 1.0 and metrics["prefix_cache_hits"] == 96.0
 
 
