@@ -252,9 +252,6 @@ def _work_items(lens: list[int], chunks: list[int], cp: ContextParallelPlan | No
         rows = []
         warm = cp.warmup_tokens // chunk_size
         for i, (L, n) in enumerate(zip(lens, chunks)):
-            if len(cp.segments[i]) == 1:  # not split (most sequences of a batch): one item
-                rows.append((i, 0, 0, n))
-                continue
             starts = [s // chunk_size for s in cp.segments[i] if s < L] or [0]
             ends = starts[1:] + [n]
             for s, e in zip(starts, ends):

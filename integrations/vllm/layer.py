@@ -44,12 +44,7 @@ from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
 
 from . import support, warmup
 from .args import BACKEND_NAME, CONFIG_KEY, flashqla_requested
-from .metadata import (  # noqa: F401 - VLLM_NULL_BLOCK_ID: this module's name for it too
-    VLLM_NULL_BLOCK_ID,
-    QlaGDNAttentionBackend,
-    QlaGDNAttentionMetadata,
-    _engine_slots,
-)
+from .metadata import QlaGDNAttentionBackend, QlaGDNAttentionMetadata, qla_state_slots
 
 logger = logging.getLogger("vllm.qla_serving")
 
@@ -236,7 +231,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             if peel_decodes:
                 slots = getattr(md, "qla_decode_state_indices", None)  # mapped once per step
                 if slots is None:
-                    slots = _engine_slots(md.non_spec_state_indices_tensor[: md.num_decodes])
+                    slots = qla_state_slots(md.non_spec_state_indices_tensor[: md.num_decodes])
                 self._qla_decode(x_d, a_d, b_d, ssm_state, slots, core_attn_out[:nd])
             # (outputs are written in place: plain slices, taken as they are written)
             out = core_attn_out[nd:end] if not spec else None
@@ -247,7 +242,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             # the builder would make anew every step.
             nd = md.num_decode_tokens
             x_d, a_d, b_d = (_rows(t, 0, nd)[1] for t in (qkv_ns, a_ns, b_ns))
-            self._qla_decode(x_d, a_d, b_d, ssm_state, _engine_slots(md.non_spec_state_indices_tensor[:nd]),
+            self._qla_decode(x_d, a_d, b_d, ssm_state, qla_state_slots(md.non_spec_state_indices_tensor[:nd]),
                              core_attn_out[:nd])
 
         if spec:
@@ -366,7 +361,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def _qla_decode(self, x, a, b, ssm_state, slots, out) -> None:
         """One token per row, state read and written in place at ``slots`` (qla-serving's: ``-1``
-        for a padded row, see :func:`_engine_slots`). The op gets the ``[N, 1, ...]`` form it
+        for a padded row, see :func:`qla_state_slots`). The op gets the ``[N, 1, ...]`` form it
         runs (no per-tensor unsqueeze and squeeze in it)."""
         N = x.shape[0]
         q, k, v = self._split_qkv(x, N, 1)
@@ -396,7 +391,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         q, k, v = self._split_qkv(x, rows, T)
         K, HV, V = q.shape[3], v.shape[2], v.shape[3]
         read_col = (md.num_accepted_tokens[:rows].long() - 1).clamp(min=0)
-        read = _engine_slots(slots.gather(1, read_col.unsqueeze(1)).squeeze(1))
+        read = qla_state_slots(slots.gather(1, read_col.unsqueeze(1)).squeeze(1))
         states = torch.empty(rows, T, HV, V, K, dtype=ssm_state.dtype, device=ssm_state.device)
         o = qla_serving.gated_delta_rule_decode(
             q, k, v,

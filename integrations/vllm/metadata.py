@@ -87,7 +87,7 @@ def prefill_query_lens_cpu(
 VLLM_NULL_BLOCK_ID = 0
 
 
-def _engine_slots(state_indices: torch.Tensor) -> torch.Tensor:
+def qla_state_slots(state_indices: torch.Tensor) -> torch.Tensor:
     """vLLM's state slots with its null block (a padded row) as qla-serving's ``-1``."""
     return torch.where(state_indices > VLLM_NULL_BLOCK_ID, state_indices, -1)
 
@@ -148,7 +148,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             self._attach_plan(out, common_attn_metadata, num_decode_draft_tokens_cpu)
             if md.num_decodes > 0 and md.spec_sequence_masks is None:
                 decode_slots = md.non_spec_state_indices_tensor[: md.num_decodes]
-                out.qla_decode_state_indices = _engine_slots(decode_slots)
+                out.qla_decode_state_indices = qla_state_slots(decode_slots)
         if md.spec_sequence_masks is not None:
             m = common_attn_metadata
             mask = self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)
@@ -209,7 +209,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             new.qla_prefill_state_indices = idx if new.qla_prefill_rows is None else idx.index_select(
                 0, new.qla_prefill_rows)
         if isinstance(new, QlaGDNAttentionMetadata) and new.qla_decode_state_indices is not None:
-            new.qla_decode_state_indices = _engine_slots(new.non_spec_state_indices_tensor[: new.num_decodes])
+            new.qla_decode_state_indices = qla_state_slots(new.non_spec_state_indices_tensor[: new.num_decodes])
         return new
 
 

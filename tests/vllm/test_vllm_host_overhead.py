@@ -43,7 +43,7 @@ def test_mixed_step_maps_decode_slots_once_for_every_layer(layer, flashqla_confi
     def per_layer_mapping(_):
         raise AssertionError("a layer of a mixed step mapped the decode slots itself")
 
-    monkeypatch.setattr(layer_mod, "_engine_slots", per_layer_mapping)
+    monkeypatch.setattr(layer_mod, "qla_state_slots", per_layer_mapping)
     seen = []
     real = qla_serving.gated_delta_rule_decode
     monkeypatch.setattr(
@@ -63,8 +63,8 @@ def test_pure_decode_step_maps_slots_in_the_layer(layer, flashqla_config, monkey
     md = metadata_builder(layer, flashqla_config).build(0, common_metadata([1, 1], [5, 9], [4, 0]))
     assert md.qla_decode_state_indices is None
     calls = []
-    real = layer_mod._engine_slots
-    monkeypatch.setattr(layer_mod, "_engine_slots", lambda idx: calls.append(idx) or real(idx))
+    real = layer_mod.qla_state_slots
+    monkeypatch.setattr(layer_mod, "qla_state_slots", lambda idx: calls.append(idx) or real(idx))
     out = _step(layer, flashqla_config, md, 2)
     assert len(calls) == 1 and not out[1].any() and out[0].any()
 

@@ -56,6 +56,20 @@ def expect_contiguous(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (strides {x.stride()} for shape {tuple(x.shape)})")
 
 
+def expect_contiguous_all(**tensors: torch.Tensor) -> None:
+    for name, x in tensors.items():
+        expect_contiguous(name, x)
+
+
+def expect_same_dtype(ref_name: str, ref: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Every one of ``tensors`` has ``ref``'s dtype."""
+    for name, x in tensors.items():
+        if x.dtype != ref.dtype:
+            names = [ref_name, *tensors]
+            raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}: "
+                            f"{', '.join(names[:-1])} and {names[-1]} must share a dtype")
+
+
 def expect_heads(H: int, HV: int) -> None:
     if H <= 0 or HV % H:
         raise ValueError(f"value heads HV={HV} must be a positive multiple of q/k heads H={H} (GVA)")

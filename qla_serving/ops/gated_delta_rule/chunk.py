@@ -35,18 +35,12 @@ def _check_prefill_inputs(q, k, v, g, beta, T: int):
     checks.expect_shape("g", g, (T, HV), "[T, HV], one log-decay per token and value head")
     checks.expect_shape("beta", beta, (T, HV), "[T, HV], one write strength per token and value head")
     checks.expect_dtype("q", q, checks.ACTIVATION_DTYPES)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        for name, x in (("k", k), ("v", v)):
-            if x.dtype != q.dtype:
-                raise TypeError(
-                    f"{name} has dtype {x.dtype} but q has {q.dtype}: q, k and v must share a dtype")
+    checks.expect_same_dtype("q", q, k=k, v=v)
     gate_dtypes = (torch.float32, q.dtype)
     checks.expect_dtype("g", g, gate_dtypes)
     checks.expect_dtype("beta", beta, gate_dtypes)
     checks.expect_same_device(q.device, k=k, v=v, g=g, beta=beta)
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            checks.expect_contiguous(name, x)
+    checks.expect_contiguous_all(q=q, k=k, v=v)
     return H, HV, K, V
 
 

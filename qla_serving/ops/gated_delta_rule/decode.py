@@ -124,25 +124,15 @@ def gated_delta_rule_decode(
     checks.expect_shape("b", b, (N, T, HV), "[N, (T,) HV]")
     checks.expect_shape("A_log", A_log, (HV,), "[HV]")
     checks.expect_shape("dt_bias", dt_bias, (HV,), "[HV]")
-    # (each group: one cheap test for the valid case, the per-tensor checks and messages on failure)
     checks.expect_dtype("q", q, checks.ACTIVATION_DTYPES)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        for name, x in (("k", k), ("v", v)):
-            if x.dtype != q.dtype:
-                raise TypeError(
-                    f"{name} has dtype {x.dtype} but q has {q.dtype}: q, k and v must share a dtype")
-    act = checks.ACTIVATION_DTYPES
-    if a.dtype not in act or b.dtype not in act or A_log.dtype not in act or dt_bias.dtype not in act:
-        for name, x in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-            checks.expect_dtype(name, x, act)
+    checks.expect_same_dtype("q", q, k=k, v=v)
+    for name, x in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        checks.expect_dtype(name, x, checks.ACTIVATION_DTYPES)
     checks.expect_pool("state_pool", state_pool, HV, V, K)
     checks.expect_same_device(q.device, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
                               state_pool=state_pool, state_indices=state_indices,
                               intermediate_states=intermediate_states, out=out)
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and a.is_contiguous()
-            and b.is_contiguous()):
-        for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
-            checks.expect_contiguous(name, x)
+    checks.expect_contiguous_all(q=q, k=k, v=v, a=a, b=b)
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True)
     if intermediate_states is not None:
         checks.expect_shape("intermediate_states", intermediate_states, (N, T, HV, V, K), "[N, T, HV, V, K]")
