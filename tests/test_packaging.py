@@ -56,3 +56,21 @@ def test_compile_extra_pins_the_tilelang_the_kernels_check_for():
 def test_shipped_library_is_package_data():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert set(data["qla_serving.kernels"]) == {"shipped/*.so", "shipped/manifest.json"}
+
+
+def test_license_is_an_spdx_expression_with_its_file():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"  # a string (PEP 639), not the deprecated table
+    assert project["license-files"] == ["LICENSE"]
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_commands_print_no_stray_warnings():
+    """torch without numpy warns on import ("Failed to initialize NumPy") before any command's
+    output: numpy is a dependency, and --help prints nothing on stderr with warnings as errors."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(req.split(">")[0].split("=")[0].strip() == "numpy" for req in project["dependencies"])
+    for argv in (["--help"], ["bench", "--help"], ["check", "--help"]):
+        out = subprocess.run([sys.executable, "-W", "error", "-m", "qla_serving.cli", *argv], cwd="/",
+                             capture_output=True, text=True)
+        assert out.returncode == 0 and out.stderr == "", (argv, out.stderr[-500:])
