@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from . import backend
-from .bench.common import parse_heads, rel_err
+from .bench.common import parse_heads, positive_int, rel_err
+from .constants import MAX_DECODE_TOKENS
 from .ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
 from .ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_decode_ref, recurrent_gated_delta_rule_ref
 from .plan import plan_prefill
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shipped", action="store_true",
                    help="the set the wheel ships (kernels/configs.py SHIPPED_CONFIGS), into the package")
     p.add_argument("--out", help="library directory (replaced)")
-    p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
+    p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
     p.add_argument("--heads", type=parse_heads, nargs="+", help="GDN heads per rank, Hqk/Hv")
     p.add_argument("--model-config", help="a hybrid Qwen config.json; with --tp, its heads per rank")
     p.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes (with --model-config)")
@@ -309,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("compile: give --heads, --model-config or --shipped")
         if any(t < 1 for t in args.tp):
             parser.error(f"compile: --tp {args.tp}: each must be >= 1")
-        if any(not 1 <= t <= 8 for t in args.verify_tokens):
-            parser.error(f"compile: --verify-tokens {args.verify_tokens}: each must be in 1..8")
+        if any(not 1 <= t <= MAX_DECODE_TOKENS for t in args.verify_tokens):
+            parser.error(f"compile: --verify-tokens {args.verify_tokens}: each must be in 1..{MAX_DECODE_TOKENS}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.fn(args)
 

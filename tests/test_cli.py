@@ -28,9 +28,19 @@ def test_bench_needs_an_op():
 
 @pytest.mark.parametrize("heads,message", [("3/8", "HV must be a positive multiple of H"), ("16x48", "expected Hqk/Hv")])
 def test_heads_argument_names_the_constraint(capsys, heads, message):
-    with pytest.raises(SystemExit):
-        cli.main(["check", "--heads", heads])
-    assert message in capsys.readouterr().err
+    _one_line_usage_error(capsys, ["check", "--heads", heads], message)
+
+
+def _one_line_usage_error(capsys, argv, message):
+    """``argv`` ends in exit status 2 and one ``qla-serving ...: error:`` line naming the
+    constraint, not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    errors = [ln for ln in err.splitlines() if ln.startswith("qla-serving")]
+    assert len(errors) == 1 and "error:" in errors[0], err
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -38,22 +48,26 @@ def test_heads_argument_names_the_constraint(capsys, heads, message):
     (["check", "--lengths", "1,x"], "expected positive integers"),
     (["check", "--lengths", "1,0,5"], "at least one token"),
     (["check", "--device", "tpu"], "expected cpu or cuda"),
+    (["compile", "--heads", "2/8", "--jobs", "0"], "--jobs: 0: must be >= 1"),
+    (["bench", "prefill", "--batches", "8y4096"], "expected NxLEN or LEN+LEN"),
+    (["bench", "prefill", "--iters", "0"], "--iters: 0: must be >= 1"),
+    (["bench", "prefill", "--heads", "16/0"], "HV must be a positive multiple of H"),
+    (["bench", "decode", "--batch", "0"], "--batch: 0: must be >= 1"),
+    (["bench", "decode", "--sweep-tiles", "zz"], "expected ROWSxTHREADS"),
 ])
-def test_bad_check_arguments_end_in_one_line(capsys, argv, message):
-    """A bad argument is a one-line usage error naming the constraint, not a traceback."""
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
-    assert len([ln for ln in err.splitlines() if ln.startswith("qla-serving")]) == 1
+def test_bad_arguments_end_in_one_line(capsys, argv, message):
+    _one_line_usage_error(capsys, argv, message)
 
 
-def test_cuda_device_without_cuda_is_a_usage_error(capsys, monkeypatch):
+@pytest.mark.parametrize("argv,message", [
+    (["check", "--device", "cuda"], "sees no CUDA device; use --device cpu"),
+    (["bench", "prefill"], "needs a CUDA GPU; this torch"),
+    (["bench", "decode"], "needs a CUDA GPU; this torch"),
+])
+def test_cuda_commands_without_cuda_are_usage_errors(capsys, monkeypatch, argv, message):
+    """On a CPU-only torch these ended in `AssertionError: Torch not compiled with CUDA enabled`."""
     monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit):
-        cli.main(["check", "--device", "cuda"])
-    assert "sees no CUDA device; use --device cpu" in capsys.readouterr().err
+    _one_line_usage_error(capsys, argv, message)
 
 
 def test_lengths_take_the_form_the_table_prints(capsys):
@@ -140,12 +154,11 @@ def test_shipped_set_covers_released_heads_at_every_tp():
 @pytest.mark.parametrize("argv,message", [
     (["compile"], "give --heads, --model-config or --shipped"),
     (["compile", "--heads", "2/8", "--verify-tokens", "9"], "each must be in 1..8"),
+    (["compile", "--heads", "2/8", "--tp", "0"], "each must be >= 1"),
     (["compile", "--heads", "2/7"], "HV must be a positive multiple of H"),
 ])
 def test_compile_arguments(capsys, argv, message):
-    with pytest.raises(SystemExit):
-        cli.main(argv)
-    assert message in capsys.readouterr().err
+    _one_line_usage_error(capsys, argv, message)
 
 
 def test_compile_names_a_bad_model_config(capsys, tmp_path):

@@ -37,6 +37,23 @@ def parse_heads(text: str) -> tuple[int, int]:
     return h, hv
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (counts of iterations, sequences, tokens)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return value
+
+
+def require_cuda(parser: argparse.ArgumentParser) -> None:
+    """A GPU benchmark on a machine whose torch sees no CUDA device ends in one usage line."""
+    if not torch.cuda.is_available():
+        parser.error(f"needs a CUDA GPU; this torch ({torch.__version__}) sees none")
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Norm of the error over the norm of the reference, in float64 on the CPU; ``inf`` when ``x``
     holds a non-finite value (an unwritten element or an overflow), so it fails every tolerance."""

@@ -637,7 +637,7 @@ def sweep_report(rows, failed, notes, copy_gbs) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(prog="qla-serving bench decode", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=list(DEFAULT_BATCHES), help="batch sizes")
+    ap.add_argument("--batch", type=common.positive_int, nargs="+", default=list(DEFAULT_BATCHES), help="batch sizes")
     ap.add_argument(
         "--heads",
         type=common.parse_heads,
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--state", choices=list(STATE_DTYPES), nargs="+", default=list(STATE_DTYPES))
     ap.add_argument("--impls", choices=IMPLS, nargs="+", default=list(DEFAULT_IMPLS))
-    ap.add_argument("--iters", type=int, default=100, help="timed graph replays per cell")
+    ap.add_argument("--iters", type=common.positive_int, default=100, help="timed graph replays per cell")
     ap.add_argument("--out-dir", default=None, help="results directory (default e2e_bench/results)")
     ap.add_argument(
         "--engine-fla",
@@ -672,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[common.parse_heads(h) for h in DEFAULT_SWEEP_HEADS],
     )
     ap.add_argument("--sweep-state", choices=list(STATE_DTYPES), nargs="+", default=list(STATE_DTYPES))
-    ap.add_argument("--sweep-batch", type=int, nargs="+", default=list(DEFAULT_SWEEP_BATCHES))
+    ap.add_argument("--sweep-batch", type=common.positive_int, nargs="+", default=list(DEFAULT_SWEEP_BATCHES))
     ap.add_argument("--also-bench", action="store_true", help="after --sweep-tiles, run the comparison too")
     ap.add_argument(
         "--compile-only",
@@ -691,9 +691,7 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error(str(e))
     if args.compile_only:
         return compile_only(args)
-    if not torch.cuda.is_available():
-        print("bench decode needs a CUDA GPU", file=sys.stderr)
-        return 2
+    common.require_cuda(ap)
     meta = common.machine_meta()
     meta["command"] = " ".join(shlex.quote(x) for x in ["qla-serving", "bench", "decode", *argv])
     meta["iters"] = args.iters

@@ -54,6 +54,17 @@ def batch_lens(batch: str) -> list[int]:
     return lens
 
 
+def parse_batch(text: str) -> str:
+    """An argparse type: a batch in :func:`batch_lens`'s form, every sequence at least one token."""
+    try:
+        lens = batch_lens(text)
+    except ValueError:
+        lens = []
+    if not lens or min(lens) < 1:
+        raise argparse.ArgumentTypeError(f"batch {text!r}: expected NxLEN or LEN+LEN..., e.g. 8x4096 or 24576+8192")
+    return text
+
+
 def make_inputs(lens, hqk, hv, dtype=torch.bfloat16):
     T = sum(lens)
     dev = "cuda"
@@ -296,10 +307,11 @@ def kernel_times(x, hqk, hv, iters=20) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="qla-serving bench prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=common.parse_heads, nargs="*", default=None, help="subset of head configs, e.g. 2/8 16/64")
-    ap.add_argument("--batches", nargs="*", default=None, help=f"subset of {BATCHES}")
+    ap.add_argument("--batches", type=parse_batch, nargs="*", default=None,
+                    help=f"batches, NxLEN or LEN+LEN... (default: {' '.join(BATCHES)})")
     ap.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS + EXTRA_IMPLS)
     ap.add_argument("--modes", nargs="*", default=["eager", "graph"], choices=["eager", "graph"])
-    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--iters", type=common.positive_int, default=100)
     ap.add_argument("--out-dir", default=None, help="where the results go (default e2e_bench/results)")
     ap.add_argument("--kernel-times", action="store_true", help="also print our per-kernel times in each cell")
     ap.add_argument("--device-times", action="store_true",
@@ -307,6 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="also compare each implementation's output and final state with ours (first batch of each head config)")
     args = ap.parse_args(argv)
+    common.require_cuda(ap)
     heads = HEAD_CONFIGS if args.heads is None else args.heads
     batches = BATCHES if args.batches is None else args.batches
 
