@@ -18,7 +18,9 @@ in the kernel, fp32 states, every sequence with an initial state):
   contract: FlashInfer 0.6.14 accepts ``use_qk_l2norm_in_kernel`` but does not use it, and vLLM
   0.26 normalises q and k in its fused post-convolution kernel before calling it), fp32 initial
   and output state.
-* ``flashqla`` (extra, ``--impls ... flashqla``): FlashQLA 0.1.3's ``chunk_gated_delta_rule``
+* ``qwen-flashqla`` (extra, ``--impls ... qwen-flashqla``): the Qwen team's FlashQLA library
+  (``flash_qla``, 0.1.3 in the results; not this project, whose engine flag is ``flashqla``):
+  its ``chunk_gated_delta_rule``
   with its own AutoCP decision, the state in our ``[N, HV, V, K]`` layout (``state_v_first``),
   fp32 initial state, final state returned. It reads device values on the host (the AutoCP
   decision, chunk indices), so a CUDA graph cannot capture it: its graph rows are missing and
@@ -41,7 +43,7 @@ HEAD_CONFIGS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (8, 24),
 BATCHES = ["1x32768", "1x8192", "1x2048", "24576+8192", "8x4096", "8x1024"]
 IMPLS = ["qla", "fla", "flashinfer"]
 # ours with AutoCP off, to show what the planner's choice gains; FlashQLA, the Qwen team's TileLang library
-EXTRA_IMPLS = ["qla-nocp", "flashqla"]
+EXTRA_IMPLS = ["qla-nocp", "qwen-flashqla"]  # the 2026-11-22 results of record call the latter "flashqla"
 K = V = 128
 
 
@@ -184,7 +186,7 @@ def runner_flashinfer(x, hqk, hv):
     return fn
 
 
-def runner_flashqla(x, hqk, hv):
+def runner_qwen_flashqla(x, hqk, hv):
     _fla_own_path()
     from flash_qla import chunk_gated_delta_rule
 
@@ -207,7 +209,7 @@ def _failed(e: Exception) -> str:
 def standard_outputs(impl: str, result) -> tuple[torch.Tensor, torch.Tensor]:
     """What one call of ``impl``'s runner returned, as ``(o [T, HV, V], final state [N, HV, V, K])``."""
     o, state = result
-    if impl in ("fla", "flashqla"):
+    if impl in ("fla", "qwen-flashqla"):
         o = o[0]  # [1, T, HV, V]: varlen inputs as one batch row
     if impl == "fla":
         state = state.transpose(-1, -2)  # FLA's [N, HV, K, V]
@@ -254,7 +256,7 @@ def check_against_qla(x, hqk, hv, impls) -> list[str]:
     return lines
 
 
-RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer, "flashqla": runner_flashqla,
+RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer, "qwen-flashqla": runner_qwen_flashqla,
            "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False)}
 
 
@@ -333,7 +335,7 @@ def main(argv=None) -> int:
         note_text = "\n".join([
             "Rows `floor`: roofline floor of the cell (max of FLOPs / measured bf16 rate and minimal bytes / "
             "measured copy bandwidth); `floor/qla` is the fraction of it reached.",
-            "qla, fla and flashqla include the q/k l2 norm; flashinfer gets q/k normalised, exp(g) and fp32 beta "
+            "qla, fla and qwen-flashqla include the q/k l2 norm; flashinfer gets q/k normalised, exp(g) and fp32 beta "
             "made outside the timed call.",
             *[f"- {n}" for n in notes]])
         common.write_results(path, meta, rows, ["hqk", "hv", "batch"], [*args.impls, "floor"], notes=note_text)
