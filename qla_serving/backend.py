@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from .constants import HEAD_DIM
 from .kernels import library
 from .kernels.library import TILELANG_VERSION, KernelUnavailable  # noqa: F401 - this module's API too
 
@@ -80,8 +81,8 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)  # the recurrent-state pools the 
 def config_unsupported_reason(head_k: int, head_v: int, dtype: torch.dtype,
                               state_dtype: torch.dtype | None = None) -> str | None:
     """Why the kernels cannot run these head dims, activation dtype and state-pool dtype, or None."""
-    if head_k != 128 or head_v != 128:
-        return f"head dims K={head_k}, V={head_v}; the kernels need K = V = 128"
+    if head_k != HEAD_DIM or head_v != HEAD_DIM:
+        return f"head dims K={head_k}, V={head_v}; the kernels need K = V = {HEAD_DIM}"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"activations are {dtype}; the kernels take bfloat16 or float16"
     if state_dtype is not None and state_dtype not in STATE_DTYPES:

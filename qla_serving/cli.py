@@ -21,7 +21,7 @@ import torch
 
 from . import backend
 from .bench.common import parse_heads, positive_int, rel_err
-from .constants import MAX_DECODE_TOKENS
+from .constants import HEAD_DIM, MAX_DECODE_TOKENS
 from .ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
 from .ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_decode_ref, recurrent_gated_delta_rule_ref
 from .plan import plan_prefill
@@ -56,7 +56,7 @@ def _qwen_gates(T: int, HV: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _path(op: str, device: torch.device, dtype: torch.dtype) -> str:
-    reason = backend.unsupported_reason(device, 128, 128, dtype)
+    reason = backend.unsupported_reason(device, HEAD_DIM, HEAD_DIM, dtype)
     return "reference (PyTorch)" if reason else "TileLang kernels"
 
 
@@ -77,7 +77,7 @@ def _timed(fn, warm_up=None):
 def run_check(heads=DEFAULT_HEADS, lengths=DEFAULT_LENGTHS, device=None, dtype=None, seed=0) -> list[CheckRow]:
     """Run prefill, prefill with checkpoints and decode on the best path; compare with the oracle."""
     H, HV = heads
-    K = V = 128
+    K = V = HEAD_DIM
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tol = 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
@@ -215,8 +215,8 @@ def _cmd_info(args) -> int:
         print(f"{'kernel library':20s} none ({library.describe_search_path()})")
     tl = library.tilelang_unsupported_reason()
     print(f"{'TileLang compiles':20s} {'yes' if tl is None else 'no: ' + tl}")
-    reason = backend.unsupported_reason(device, 128, 128, torch.bfloat16)
-    print(f"{'path (bf16, K=V=128)':20s} {'kernels' if reason is None else 'PyTorch reference: ' + reason}")
+    reason = backend.unsupported_reason(device, HEAD_DIM, HEAD_DIM, torch.bfloat16)
+    print(f"{f'path (bf16, K=V={HEAD_DIM})':20s} {'kernels' if reason is None else 'PyTorch reference: ' + reason}")
     return 0
 
 

@@ -55,9 +55,10 @@ import types
 
 import torch
 
+from ..constants import HEAD_DIM
 from . import common
 
-K = V = 128
+K = V = HEAD_DIM
 DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256, 512)
 DEFAULT_HEADS = ("16/64", "16/48", "16/32", "2/8")
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -37,6 +37,7 @@ import traceback
 import torch
 
 from ..constants import CHUNK_SIZE as C
+from ..constants import HEAD_DIM
 from . import common
 
 HEAD_CONFIGS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (8, 24), (16, 16)]
@@ -44,7 +45,7 @@ BATCHES = ["1x32768", "1x8192", "1x2048", "24576+8192", "8x4096", "8x1024"]
 IMPLS = ["qla", "fla", "flashinfer"]
 # ours with AutoCP off, to show what the planner's choice gains; FlashQLA, the Qwen team's TileLang library
 EXTRA_IMPLS = ["qla-nocp", "qwen-flashqla"]  # the 2026-11-22 results of record call the latter "flashqla"
-K = V = 128
+K = V = HEAD_DIM
 
 
 def batch_lens(batch: str) -> list[int]:
