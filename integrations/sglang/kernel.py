@@ -30,6 +30,7 @@ import torch
 from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
 
 from qla_serving import backend as qla_backend
+from qla_serving.constants import CHUNK_SIZE
 from qla_serving.ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
 from qla_serving.ops.gated_delta_rule.checks import MAX_DECODE_TOKENS
 from qla_serving.plan import PrefillPlan, plan_prefill
@@ -108,7 +109,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
     def __init__(self, fallback: LinearAttnKernelBase, phases: set[str] | frozenset[str] = frozenset()):
         self.fallback = fallback
         self.phases = frozenset(phases)
-        self.track_chunk_size = 64
+        self.track_chunk_size = CHUNK_SIZE
         self.num_v_heads: int | None = None  # from the state pool at the first batch (for AutoCP)
         # The latest extend batches, newest first, found by query_start_loc identity.
         self._batches: list[BatchPlan] = []
@@ -138,7 +139,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             return
         track = self._tracks_chunk_state(metadata)
         if track:
-            self.track_chunk_size = int(getattr(attn_backend, "mamba_chunk_size", 64) or 64)
+            self.track_chunk_size = int(getattr(attn_backend, "mamba_chunk_size", CHUNK_SIZE) or CHUNK_SIZE)
         lens = _as_list(getattr(forward_batch, "extend_seq_lens_cpu", None))
         plan = None
         if (
@@ -150,7 +151,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
             if lens:
                 cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
-            every = self.track_chunk_size if track and self.track_chunk_size % 64 == 0 else None
+            every = self.track_chunk_size if track and self.track_chunk_size % CHUNK_SIZE == 0 else None
             if self.num_v_heads is None:
                 self.num_v_heads = _value_heads(attn_backend)
             plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=every,
@@ -259,12 +260,13 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         want_h = track_state is None and batch is not None and batch.track
         want_states = track_state is not None or want_h
         every = self.track_chunk_size if want_states else None
-        if every is not None and every % 64:
+        if every is not None and every % CHUNK_SIZE:
             _log_once(
                 logging.WARNING,
-                "qla-serving: mamba_chunk_size=%d is not a multiple of 64; batches "
+                "qla-serving: mamba_chunk_size=%d is not a multiple of %d; batches "
                 "that track prefix-cache states run on SGLang's triton kernel",
                 every,
+                CHUNK_SIZE,
             )
             return self.fallback.extend(
                 q,

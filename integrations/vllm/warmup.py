@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import qla_serving
+from qla_serving.constants import CHUNK_SIZE
 from qla_serving.plan import plan_prefill
 from qla_serving.warmup import WarmupConfig, kernel_warmup_specs, resolve_steps, run_warmup
 
@@ -85,7 +86,7 @@ def warmup_steps(cfg: StaticConfig, A_log: torch.Tensor, dt_bias: torch.Tensor) 
         return torch.full(shape, K**-0.5, dtype=cfg.dtype, device=dev)
 
     def prefill_call():
-        T = 64
+        T = CHUNK_SIZE  # one full chunk
         qla_serving.chunk_gated_delta_rule_pool(
             unit(T, H, K), unit(T, H, K), unit(T, HV, V), torch.full((T, HV), -0.1, device=dev),
             torch.full((T, HV), 0.5, device=dev), pool(), torch.zeros(1, dtype=torch.int32, device=dev),
