@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qla_serving.bench.common import rel_err as common_rel_err
-from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
+from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_decode_ref
 
 GATE_MODES = ("zero", "mild", "qwen", "strong")
 
@@ -48,3 +48,13 @@ def max_rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest absolute error over the reference's largest magnitude (elementwise bound)."""
     ref = ref.double().cpu()
     return float((x.double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+
+
+def verify_ref(q, k, v, a, b, A_log, dt_bias, initial_state, N: int, T: int):
+    """The oracle of a speculative verify: ``N`` sequences of ``T`` tokens, given flat (``N * T``
+    tokens, as the engines pass them), from ``initial_state`` ``[N, HV, V, K]``; returns
+    ``(o [N, T, HV, V], states after each token [N, T, HV, V, K])``."""
+    H, K = q.shape[-2:]
+    HV, V = v.shape[-2:]
+    return recurrent_decode_ref(q.view(N, T, H, K), k.view(N, T, H, K), v.view(N, T, HV, V), a.view(N, T, HV),
+                                b.view(N, T, HV), A_log, dt_bias, initial_state, scale=K**-0.5)

@@ -4,7 +4,7 @@ on the same inputs; decode under CUDA-graph capture; start-up binding keeps our 
 
 import pytest
 import torch
-from helpers import max_rel_err
+from helpers import max_rel_err, verify_ref
 
 from qla_serving.ops.gated_delta_rule.naive import (
     gdn_gate_ref,
@@ -153,17 +153,7 @@ def test_decode_and_verify_on_kernels_match_oracle():
         cache_steps=T,
         retrieve_parent_token=None,
     )
-    ref_o, ref_s = recurrent_decode_ref(
-        q.view(N, T, H, K),
-        k.view(N, T, H, K),
-        v.view(N, T, HV, V),
-        a.view(N, T, HV),
-        b.view(N, T, HV),
-        A_log,
-        dt_bias,
-        before[idx.long()].double(),
-        scale=K**-0.5,
-    )
+    ref_o, ref_s = verify_ref(q, k, v, a, b, A_log, dt_bias, before[idx.long()].double(), N, T)
     assert max_rel_err(o.view(N, T, HV, V), ref_o) < 2e-2
     assert max_rel_err(buffer[:N], ref_s) < 5e-3
     assert torch.equal(pool, before)

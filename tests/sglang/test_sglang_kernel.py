@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import max_rel_err
+from helpers import max_rel_err, verify_ref
 
 from qla_serving.ops.gated_delta_rule.naive import (
     gdn_gate_ref,
@@ -345,17 +345,7 @@ def test_target_verify_matches_oracle_and_keeps_pool(stable_rows):
         retrieve_parent_token=None,
         stable_rows=stable_rows,
     )
-    ref_o, ref_states = recurrent_decode_ref(
-        q.view(N, T, H, K),
-        k.view(N, T, H, K),
-        v.view(N, T, HV, V),
-        a.view(N, T, HV),
-        b.view(N, T, HV),
-        A_log,
-        dt_bias,
-        before[slots.long()].double(),
-        scale=K**-0.5,
-    )
+    ref_o, ref_states = verify_ref(q, k, v, a, b, A_log, dt_bias, before[slots.long()].double(), N, T)
     assert o.shape == v.shape and o.dtype == q.dtype
     assert max_rel_err(o.view(N, T, HV, V), ref_o) < OUT_TOL
     assert max_rel_err(buffer[rows.long()], ref_states) < STATE_TOL[torch.float32]
