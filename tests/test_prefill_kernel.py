@@ -96,8 +96,7 @@ def _check_against_oracle(case, out, pool_before, ckpt=None, checkpoint_every=No
 VARLEN_MIXES = [
     # 1-token sequences: eight of them, since with one token and 2 q/k heads the output is
     # two q.k products, and the bf16 rounding of the normalised q, k alone can move a small
-    # product by more than 1% (seen on H100: 1.27e-2); more products make the norm-wise
-    # error representative
+    # product by more than 1%; more products make the norm-wise error representative
     [1] * 8,
     [63],
     [64],

@@ -409,9 +409,8 @@ def run(batches, heads, states, impls, iters, log=print, engine=None) -> tuple[l
                 dst = torch.empty_like(src)
 
                 def copies(src=src, dst=dst, reps=reps):
-                    # an elementwise kernel, not copy_(): captured in a graph, a device-to-device
-                    # copy_ of 512 MiB or more becomes a memcpy node that ran at 2.75 TB/s on the
-                    # H200 (4.19-4.27 TB/s eager and as this kernel; 64 MiB-2 GiB probed)
+                    # an elementwise kernel, not copy_(): a graph-captured copy_ of >= 512 MiB becomes
+                    # a memcpy node, far below the bandwidth a kernel gets (commit 8b7c720 has the numbers)
                     for r in range(reps):
                         torch.mul(src[r], 1.0, out=dst[r])
 
@@ -426,7 +425,8 @@ def run(batches, heads, states, impls, iters, log=print, engine=None) -> tuple[l
 
 
 def summary(rows: list[dict], copy_gbs: float) -> list[str]:
-    """GB/s table and the issue's targets, cell by cell (the FLA target is the engines' call)."""
+    """GB/s table and the decode targets (against FlashInfer, FLA and the copy), cell by cell (the FLA
+    target is the engines' call)."""
     cells: dict[tuple, dict] = {}
     for r in rows:
         cells.setdefault((r["hqk"], r["hv"], r["state"], int(r["batch"])), {})[r["impl"]] = r

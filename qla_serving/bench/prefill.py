@@ -1,6 +1,6 @@
 """``qla-serving bench prefill``: our chunked GDN prefill vs FLA 0.6.0 and FlashInfer 0.6.14.
 
-Runs the issue's grid (head configs x batches) on one GPU, every implementation on the same
+Runs the grid of record (head configs x batches, ``HEAD_CONFIGS`` x ``BATCHES``) on one GPU, every implementation on the same
 inputs, eager (host overhead counted, as an engine running eagerly pays it) and inside a
 CUDA graph, and writes ``e2e_bench/results/<date>-<gpu>-prefill.{json,md}``. Each cell also
 gets a roofline floor row (impl ``floor``): FLOPs at the measured bf16 rate or bytes at the

@@ -23,7 +23,7 @@ import sys
 
 from .prefill import batch_lens, min_bytes, split_bytes
 
-BIG_TOKENS = 8192  # the "cells with >= 8192 tokens"
+BIG_TOKENS = 8192  # the long-prompt cells, where the prefill target against FlashInfer is judged
 
 
 def load_runs(paths: list[str | pathlib.Path]) -> tuple[dict, list[dict]]:

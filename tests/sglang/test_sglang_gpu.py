@@ -80,8 +80,8 @@ def test_extend_on_kernels_matches_oracle_and_sglang_triton():
     err_ours, err_triton = max_rel_err(o[0], ref_o), max_rel_err(o_tr.view_as(o)[0], ref_o)
     print(f"extend rel err vs float64: ours {err_ours:.2e}, sglang triton {err_triton:.2e}")
     assert err_ours < 2e-2 and err_ours <= 2 * err_triton + 1e-3
-    # final state: the bf16 bound (1e-2 of the float64 oracle) and SGLang triton's own
-    # error as the yardstick (H200: ours 5.2e-3; a 5e-3 bound set for the earlier kernels failed)
+    # final state: within the bf16 bound (1e-2 of the float64 oracle) and not far from SGLang
+    # triton's own error, the yardstick a bf16 state is judged by
     s_ours, s_triton = max_rel_err(pool[idx.long()], ref_final), max_rel_err(pool_triton[idx.long()], ref_final)
     print(f"extend final state rel err vs float64: ours {s_ours:.2e}, sglang triton {s_triton:.2e}")
     assert s_ours < 1e-2 and s_ours <= 2 * s_triton + 1e-3
