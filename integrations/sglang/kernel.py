@@ -30,9 +30,8 @@ import torch
 from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
 
 from qla_serving import backend as qla_backend
-from qla_serving.constants import CHUNK_SIZE
+from qla_serving.constants import CHUNK_SIZE, MAX_DECODE_TOKENS
 from qla_serving.ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
-from qla_serving.ops.gated_delta_rule.checks import MAX_DECODE_TOKENS
 from qla_serving.plan import PrefillPlan, plan_prefill
 
 logger = logging.getLogger("qla_serving")

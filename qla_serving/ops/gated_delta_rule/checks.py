@@ -12,10 +12,10 @@ from typing import Iterable
 
 import torch
 
-from ...constants import MAX_DECODE_TOKENS  # noqa: F401 - checks.MAX_DECODE_TOKENS is the ops' bound
+from ...backend import STATE_DTYPES
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-POOL_DTYPES = (torch.float32, torch.bfloat16)
+POOL_DTYPES = STATE_DTYPES  # the pools the kernels keep; the reference path takes the same
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 

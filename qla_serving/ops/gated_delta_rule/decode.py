@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ... import backend
+from ...constants import MAX_DECODE_TOKENS
 from . import checks
 from .naive import recurrent_decode_ref
 
@@ -118,8 +119,8 @@ def gated_delta_rule_decode(
     if v.shape[:2] != (N, T):
         raise ValueError(f"v has leading dims {tuple(v.shape[:2])} but q has (N, T) = {(N, T)}")
     checks.expect_heads(H, HV)
-    if not 1 <= T <= checks.MAX_DECODE_TOKENS:
-        raise ValueError(f"decode takes 1 to {checks.MAX_DECODE_TOKENS} tokens per sequence, got T={T}")
+    if not 1 <= T <= MAX_DECODE_TOKENS:
+        raise ValueError(f"decode takes 1 to {MAX_DECODE_TOKENS} tokens per sequence, got T={T}")
     checks.expect_shape("a", a, (N, T, HV), "[N, (T,) HV]")
     checks.expect_shape("b", b, (N, T, HV), "[N, (T,) HV]")
     checks.expect_shape("A_log", A_log, (HV,), "[HV]")
