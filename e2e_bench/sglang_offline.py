@@ -2,13 +2,13 @@
 
 For each GDN backend (``triton``, ``flashinfer``, ``flashqla``, SGLang's ``--linear-attn-backend``)
 a fresh subprocess builds ``sglang.Engine`` on a text-only Qwen3.5 config
-(``Qwen3_5ForCausalLM``: the layer layout and GDN head shapes of ``e2e_bench/vllm_offline.py``'s
+(``Qwen3_5ForCausalLM``: the layer layout and GDN head shapes of ``e2e_bench/offline_inputs.py``'s
 model, without the vision tower and M-RoPE), dummy weights, token-id prompts and no tokenizer;
 full attention on SGLang's ``triton`` backend (sgl-kernel's FA3 library is not carried to the GPU
 machine). After start-up the GDN gates are re-drawn through SGLang's own
 ``Engine.update_weights_from_tensor`` (``load_format="direct"``: by exact parameter name), since
 the dummy loader's A_log ~ dt_bias ~ 0 would make every head forget within ~10 tokens (see
-``vllm_offline.init_gdn_gates``). Then:
+``qla_serving.bench.gates``). Then:
 
 * pass ``cold``: ``--num-prompts`` prompts of ``--min-len``..``--max-len`` tokens x
   ``--max-tokens`` greedy tokens; with the radix cache on (default), pass ``cached`` runs the
@@ -46,7 +46,8 @@ import time
 import zlib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import vllm_offline as shared
+from agreement import agreement  # noqa: E402
+from offline_inputs import agreement_prompts, model_config  # noqa: E402
 
 BACKENDS = ("triton", "flashinfer", "flashqla")
 REFERENCE = "triton"
@@ -58,13 +59,13 @@ QLA_BINDING = re.compile(
 
 
 def text_model_config(**shape) -> dict:
-    """``config.json`` of a text-only Qwen3.5 model with ``vllm_offline.model_config``'s shapes.
+    """``config.json`` of a text-only Qwen3.5 model with ``offline_inputs.model_config``'s shapes.
 
     SGLang maps ``qwen3_5_text`` to its ``Qwen3_5TextConfig`` (a ``Qwen3NextConfig``, so the
     model gets the hybrid GDN backend and the mamba state pool). Plain RoPE (partial 0.25) instead
     of M-RoPE: a text-only model gets no M-RoPE positions.
     """
-    text = dict(shared.model_config(**shape)["text_config"])
+    text = dict(model_config(**shape)["text_config"])
     # Plain RoPE parameters in place of the M-RoPE ones: SGLang's Qwen3_5TextConfig reads
     # rope_theta from rope_parameters (an empty dict there is a KeyError at model build).
     rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
@@ -92,12 +93,14 @@ def gdn_layer_ids(config: dict) -> list[int]:
 
 def gate_tensors(config: dict) -> list:
     """``[(checkpoint name, float32 CPU tensor)]``: A_log and dt_bias of every GDN layer, drawn as
-    ``vllm_offline.gdn_gate_values`` does (seeded by the layer's module name, so every backend's
+    ``qla_serving.bench.gates.gdn_gate_values`` does (seeded by the layer's module name, so every backend's
     engine gets the same gates)."""
+    from qla_serving.bench.gates import gdn_gate_values
+
     out = []
     for i in gdn_layer_ids(config):
         module = f"model.layers.{i}.linear_attn"
-        A_log, dt_bias = shared.gdn_gate_values(config["linear_num_value_heads"], zlib.crc32(module.encode()))
+        A_log, dt_bias = gdn_gate_values(config["linear_num_value_heads"], zlib.crc32(module.encode()))
         out += [(f"{module}.A_log", A_log), (f"{module}.dt_bias", dt_bias)]
     return out
 
@@ -206,7 +209,7 @@ def rows_from(results: list[dict]) -> list[dict]:
         )
         for name, outs in (r.get("passes") or {}).items():
             row = {"op": "sglang-agreement", "impl": r["backend"], "pass": name}
-            row.update(shared.agreement(ref, outs) if ref else {"error": f"no reference run ({REFERENCE})"})
+            row.update(agreement(ref, outs) if ref else {"error": f"no reference run ({REFERENCE})"})
             rows.append(row)
     return rows
 
@@ -302,12 +305,12 @@ def dry_run(args, model_dir: str, prompts) -> int:
     plugin.register()  # `flashqla` becomes a valid --linear-attn-backend, as SGLang's loader does
     for backend in args.backends:
         server_args = ServerArgs(**run_engine_kwargs(args, model_dir, backend, device="cpu"))
-        model_config = ModelConfig.from_server_args(server_args)
-        text = hybrid_arch.hybrid_gdn_config(model_config)
+        resolved = ModelConfig.from_server_args(server_args)
+        text = hybrid_arch.hybrid_gdn_config(resolved)
         if text is None:
             raise SystemExit(f"{backend}: SGLang does not see a hybrid GDN model in {model_dir}")
         reason = config_unsupported_reason(
-            text.linear_key_head_dim, text.linear_value_head_dim, model_config.dtype
+            text.linear_key_head_dim, text.linear_value_head_dim, resolved.dtype
         )
         if reason:
             raise SystemExit(f"{backend}: our kernels would not run this model: {reason}")
@@ -318,7 +321,7 @@ def dry_run(args, model_dir: str, prompts) -> int:
         if built != wanted:
             raise SystemExit(f"{backend}: SGLang puts GDN layers at {built}, the config at {wanted}")
         print(
-            f"dry-run {backend}: {model_config.hf_config.architectures[0]} ({type(text).__name__}), "
+            f"dry-run {backend}: {resolved.hf_config.architectures[0]} ({type(text).__name__}), "
             f"linear_attn_backend={server_args.linear_attn_backend}, attention_backend={server_args.attention_backend}, "
             f"radix cache {'off' if server_args.disable_radix_cache else server_args.mamba_radix_cache_strategy}"
         )
@@ -378,7 +381,7 @@ def main(argv=None) -> int:
     model_dir = work / "model"
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    prompts = shared.agreement_prompts(
+    prompts = agreement_prompts(
         args.num_prompts, args.min_len, args.max_len, config["vocab_size"], args.seed
     )
     if args.dry_run:

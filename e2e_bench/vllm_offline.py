@@ -47,72 +47,20 @@ import pathlib
 import random
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
 # run as a script (and as its own worker processes): its folder's modules are importable by name
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from agreement import agreeing_prefix, agreement  # noqa: E402
+from agreement import agreement  # noqa: E402
+from offline_inputs import agreement_prompts, model_config, throughput_prompts, write_model  # noqa: E402
+from waves import run_waves, signal_ready, wait_for_go  # noqa: E402
 
 BACKENDS = ("triton", "flashinfer", "flashqla")
 REFERENCE = ("triton", "off")  # (backend, prefix caching) every run is compared with
 QLA_BACKEND = "flashqla"
 EXIT_QLA_CHECK = 3
-
-# ----------------------------------------------------------------------------- model config
-
-
-def model_config(num_layers: int = 8, linear_v_heads: int = 32, hidden: int = 1024, vocab: int = 8192,
-                 max_positions: int = 16384, state_dtype: str = "float32") -> dict:
-    """The config.json of a small Qwen3.5-shaped model (``Qwen3_5ForConditionalGeneration``).
-
-    The GDN layers have the production head layout (16 q/k heads, ``linear_v_heads`` value
-    heads, head dims 128); every fourth layer is full attention (head dim 256, partial M-RoPE as
-    in Qwen3.5). Hidden size, MLP and vocabulary are small. vLLM serves only the language model
-    (``language_model_only=True``); the vision tower is the smallest transformers accepts.
-    ``state_dtype`` is ``mamba_ssm_dtype``, which vLLM 0.26+ turns into the recurrent-state
-    cache dtype of a Qwen3.5 model (``float32`` as in the released checkpoints; without it the
-    cache would take the activation dtype).
-    """
-    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
-    text = {
-        "model_type": "qwen3_5_text",
-        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden,
-        "num_hidden_layers": num_layers, "layer_types": layer_types,
-        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
-        "linear_num_key_heads": 16, "linear_num_value_heads": linear_v_heads,
-        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": max_positions,
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-        "bos_token_id": None, "eos_token_id": vocab - 1, "pad_token_id": None, "dtype": "bfloat16",
-        "mamba_ssm_dtype": state_dtype,
-    }
-    vision = {
-        "model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 64, "num_heads": 2,
-        "intermediate_size": 128, "out_hidden_size": hidden, "patch_size": 16,
-        "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
-    }
-    return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "text_config": text, "vision_config": vision, "tie_word_embeddings": False,
-        # Special ids at the top of the small vocabulary; prompts never use them.
-        "image_token_id": vocab - 4, "video_token_id": vocab - 3,
-        "vision_start_token_id": vocab - 6, "vision_end_token_id": vocab - 5,
-    }
-
-
-def write_model(directory: str | os.PathLike, **shape) -> str:
-    """Write ``config.json`` (and nothing else: dummy weights, no tokenizer) into ``directory``."""
-    path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model_config(**shape), indent=1) + "\n")
-    return str(path)
-
 
 # ----------------------------------------------------------------------------- GDN gates
 
@@ -132,45 +80,6 @@ def __getattr__(name):
     if name in _GATE_NAMES:
         return getattr(_gates(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# ----------------------------------------------------------------------------- prompts
-
-PROMPT_ID_LIMIT = 16  # prompts use ids in [0, vocab - PROMPT_ID_LIMIT): no special ids
-
-
-def agreement_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
-    """``n`` prompts of random token ids with lengths spread over ``[min_len, max_len]``.
-
-    Lengths are log-spaced with jitter (short and long prompts both present, the extremes
-    included). Every second prompt of the second half repeats the first 1024 tokens of a
-    first-half prompt (where both are long enough), so prefix caching has prefixes to hit.
-    """
-    rng = random.Random(seed)
-    hi = vocab - PROMPT_ID_LIMIT
-    lengths = []
-    for i in range(n):
-        if n == 1:
-            lengths.append(max_len)
-            continue
-        base = min_len * (max_len / min_len) ** (i / (n - 1))
-        jitter = 1.0 if i in (0, n - 1) else rng.uniform(0.85, 1.15)
-        lengths.append(max(min_len, min(max_len, round(base * jitter))))
-    rng.shuffle(lengths)
-    prompts = [[rng.randrange(hi) for _ in range(length)] for length in lengths]
-    half = n // 2
-    for j in range(half, n, 2):
-        src = prompts[j - half]
-        shared = min(1024, len(src), len(prompts[j]) - 1)
-        if shared >= 256:
-            prompts[j][:shared] = src[:shared]
-    return prompts
-
-
-def throughput_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    hi = vocab - PROMPT_ID_LIMIT
-    return [[rng.randrange(hi) for _ in range(length)] for _ in range(n)]
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -399,26 +308,6 @@ class _JitMonitorLog(logging.Handler):
         self.messages.append(record.getMessage()[:300])
 
 
-def signal_ready(spec: dict) -> None:
-    """Worker side of the start barrier: the engine is built (see :func:`run_waves`)."""
-    if spec.get("ready_file"):
-        pathlib.Path(spec["ready_file"]).write_text(f"{os.getpid()}\n")
-
-
-def wait_for_go(spec: dict, poll_s: float = 0.1) -> float:
-    """Worker side of the start barrier: wait until the parent lets this run measure; returns
-    the seconds waited. Exits if the parent is gone (nobody would ever say go)."""
-    go = spec.get("go_file")
-    if not go:
-        return 0.0
-    parent, t0 = os.getppid(), time.perf_counter()
-    while not os.path.exists(go):
-        if os.getppid() != parent:
-            raise SystemExit("the parent process is gone")
-        time.sleep(poll_s)
-    return time.perf_counter() - t0
-
-
 def worker(spec: dict) -> int:
     """One engine in this process: build it, re-draw the GDN gates, say ready, wait for go, then
     throughput cold and warm (where ``spec["throughput"]``), agreement; writes ``spec["out"]``."""
@@ -527,99 +416,6 @@ def ordered_runs(backends, modes) -> list[tuple[str, str]]:
     ref_first = sorted(backends, key=lambda b: b != REFERENCE[0])  # stable: the rest keep their order
     ref_last = sorted(backends, key=lambda b: b == REFERENCE[0])
     return [(b, pc) for pc in modes for b in (ref_first if pc == REFERENCE[1] else ref_last)]
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the worker and whatever it started
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def run_waves(jobs: list[dict], parallel: int, *, init_timeout: float, measure_timeout: float,
-              deadline: float | None = None, min_left: float = 120.0, poll_s: float = 0.2, log=print) -> dict:
-    """Run worker processes in waves of up to ``parallel``: engines build side by side, measure one at a time.
-
-    Args:
-        jobs: in start order, each a dict with ``label``, ``cmd`` (argv), ``env`` (or None),
-            ``ready_file`` and ``go_file`` (paths; the worker writes the first once its engine
-            is built, :func:`signal_ready`, and measures once the second exists, :func:`wait_for_go`),
-            and optionally ``log`` (a file for the worker's stdout and stderr, so engines side by
-            side do not interleave their output).
-        parallel: processes per wave (1: one run after another).
-        init_timeout: seconds a wave may take until every member is ready or has exited.
-        measure_timeout: seconds one run may take after its go.
-        deadline: a ``time.monotonic()`` value no wait goes past; a wave with less than
-            ``min_left`` seconds before it is not started.
-
-    Building an engine is mostly CPU work (imports, kernel compiles, vLLM's profiling pass), so
-    overlapping it saves wall time; a run measures only when every other member of its wave
-    is built and idle, and waves do not overlap, so no measurement shares the GPU with work.
-
-    Returns:
-        ``{label: {"rc": exit status or None, "status": one of done, exited (before its go),
-        timeout-init, timeout-measure, not-started, "s": seconds since its start}}``.
-    """
-    status: dict[str, dict] = {}
-    step = max(1, int(parallel))
-    for w in range(0, len(jobs), step):
-        wave = jobs[w:w + step]
-        if deadline is not None and deadline - time.monotonic() < min_left:
-            for j in wave:
-                status[j["label"]] = {"rc": None, "status": "not-started", "s": 0.0}
-                log(f"[{j['label']}] not started: {deadline - time.monotonic():.0f} s left before the deadline; "
-                    "run again with --reuse")
-            continue
-        procs = []
-        for j in wave:
-            for f in (j["ready_file"], j["go_file"]):
-                pathlib.Path(f).unlink(missing_ok=True)
-            log(f"[{j['label']}] starting" + (f" (output: {j['log']})" if j.get("log") else ""))
-            out = open(j["log"], "w") if j.get("log") else None  # noqa: SIM115 - the child holds it
-            try:
-                proc = subprocess.Popen(j["cmd"], env=j.get("env"), start_new_session=True, stdout=out,
-                                        stderr=subprocess.STDOUT if out else None)
-            finally:
-                if out is not None:
-                    out.close()
-            procs.append((j, proc, time.monotonic()))
-        init_end = time.monotonic() + init_timeout
-        if deadline is not None:
-            init_end = min(init_end, deadline)
-        while True:
-            building = [(j, p, t) for j, p, t in procs if p.poll() is None and not os.path.exists(j["ready_file"])]
-            if not building:
-                break
-            if time.monotonic() >= init_end:
-                for j, p, t in building:
-                    _kill(p)
-                    status[j["label"]] = {"rc": 124, "status": "timeout-init", "s": time.monotonic() - t}
-                    log(f"[{j['label']}] killed: engine not built in time")
-                break
-            time.sleep(poll_s)
-        for j, p, t in procs:
-            if j["label"] in status:
-                continue
-            if p.poll() is not None:
-                status[j["label"]] = {"rc": p.returncode, "status": "exited", "s": time.monotonic() - t}
-                log(f"[{j['label']}] exit {p.returncode} before measuring, after {time.monotonic() - t:.0f} s")
-                continue
-            limit = measure_timeout if deadline is None else min(measure_timeout, deadline - time.monotonic())
-            if limit < 1:
-                _kill(p)
-                status[j["label"]] = {"rc": 124, "status": "timeout-measure", "s": time.monotonic() - t}
-                log(f"[{j['label']}] killed before measuring: the deadline has passed")
-                continue
-            pathlib.Path(j["go_file"]).write_text("go\n")
-            try:
-                rc, state = p.wait(timeout=limit), "done"
-            except subprocess.TimeoutExpired:
-                _kill(p)
-                rc, state = 124, "timeout-measure"
-            status[j["label"]] = {"rc": rc, "status": state, "s": time.monotonic() - t}
-            log(f"[{j['label']}] exit {rc} after {time.monotonic() - t:.0f} s")
-    return status
 
 
 # ----------------------------------------------------------------------------- the parent

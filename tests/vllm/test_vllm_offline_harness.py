@@ -14,7 +14,11 @@ import pathlib
 
 import pytest
 
+from e2e_bench import agreement as metric
+from e2e_bench import offline_inputs, waves
+
 _SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "e2e_bench" / "vllm_offline.py"
+_WAVES = _SCRIPT.with_name("waves.py")
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +32,19 @@ def vo():
 # ----------------------------------------------------------------------------- the metric
 
 
-def test_agreeing_prefix_counts_tokens_before_first_divergence(vo):
+def test_agreeing_prefix_counts_tokens_before_first_divergence():
     ref = [10, 11, 12, 13, 14, 15, 16, 17]
-    assert vo.agreeing_prefix(ref, [10, 11, 12, 13, 14, 99, 16, 17]) == 5  # diverges at position 5
-    assert vo.agreeing_prefix(ref, list(ref)) == 8
-    assert vo.agreeing_prefix(ref, [0] + ref[1:]) == 0
-    assert vo.agreeing_prefix(ref, ref[:3]) == 3  # shorter, agreeing as far as it goes
-    assert vo.agreeing_prefix([], []) == 0
+    assert metric.agreeing_prefix(ref, [10, 11, 12, 13, 14, 99, 16, 17]) == 5  # diverges at position 5
+    assert metric.agreeing_prefix(ref, list(ref)) == 8
+    assert metric.agreeing_prefix(ref, [0] + ref[1:]) == 0
+    assert metric.agreeing_prefix(ref, ref[:3]) == 3  # shorter, agreeing as far as it goes
+    assert metric.agreeing_prefix([], []) == 0
 
 
-def test_agreement_sums_over_prompts(vo):
+def test_agreement_sums_over_prompts():
     ref = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 1, 1, 1], [5, 6, 7]]
     out = [[1, 2, 3, 4, 5, 0, 7, 8], [1, 1, 1, 1], [9, 6, 7]]  # 5 + 4 + 0; later matches do not count
-    a = vo.agreement(ref, out)
+    a = metric.agreement(ref, out)
     assert a["agree_tokens"] == 9
     assert a["total_tokens"] == 15
     assert a["exact_prompts"] == 1
@@ -48,7 +52,7 @@ def test_agreement_sums_over_prompts(vo):
     assert a["first_divergence"] == [5, None, 0]
     assert a["agree_frac"] == round(9 / 15, 4)
     with pytest.raises(ValueError):
-        vo.agreement(ref, out[:2])
+        metric.agreement(ref, out[:2])
 
 
 def _raw(backend, pc, outs, s=2.0, ok=True, **extra):
@@ -104,25 +108,25 @@ def test_qla_checks(vo):
 # ----------------------------------------------------------------------------- prompts
 
 
-def test_prompt_sets(vo):
-    prompts = vo.agreement_prompts(16, 17, 3000, 8192, seed=0)
-    assert prompts == vo.agreement_prompts(16, 17, 3000, 8192, seed=0)  # deterministic
+def test_prompt_sets():
+    prompts = offline_inputs.agreement_prompts(16, 17, 3000, 8192, seed=0)
+    assert prompts == offline_inputs.agreement_prompts(16, 17, 3000, 8192, seed=0)  # deterministic
     lens = sorted(map(len, prompts))
     assert len(prompts) == 16 and lens[0] == 17 and lens[-1] == 3000
     assert len(set(lens)) >= 12  # mixed lengths
-    assert all(0 <= t < 8192 - vo.PROMPT_ID_LIMIT for p in prompts for t in p)
+    assert all(0 <= t < 8192 - offline_inputs.PROMPT_ID_LIMIT for p in prompts for t in p)
     shared = [j for j in range(8, 16) if prompts[j][:256] == prompts[j - 8][:256]]
     assert shared, "some prompts share a prefix, for prefix caching to hit"
-    tp = vo.throughput_prompts(16, 8192, 8192, seed=1)
+    tp = offline_inputs.throughput_prompts(16, 8192, 8192, seed=1)
     assert len(tp) == 16 and {len(p) for p in tp} == {8192}
-    assert tp != vo.throughput_prompts(16, 8192, 8192, seed=2)
+    assert tp != offline_inputs.throughput_prompts(16, 8192, 8192, seed=2)
 
 
 # ----------------------------------------------------------------------------- vLLM's config machinery
 
 
 def test_model_config_is_read_by_vllm(vo, tmp_path, registered):
-    model_dir = vo.write_model(tmp_path / "m", num_layers=8, linear_v_heads=48)
+    model_dir = offline_inputs.write_model(tmp_path / "m", num_layers=8, linear_v_heads=48)
     kwargs = vo.llm_kwargs(model_dir, "flashqla", True, enforce_eager=False, seed=0, max_model_len=8192 + 96)
     from vllm.engine.arg_utils import EngineArgs
 
@@ -267,9 +271,9 @@ def test_ordered_runs_put_the_reference_run_and_no_prefix_caching_first(vo):
 
 _FAKE_WORKER = """
 import importlib.util, json, sys, time
-spec_mod = importlib.util.spec_from_file_location("vo", {script!r})
-vo = importlib.util.module_from_spec(spec_mod)
-spec_mod.loader.exec_module(vo)
+spec_mod = importlib.util.spec_from_file_location("waves", {script!r})
+waves = importlib.util.module_from_spec(spec_mod)
+spec_mod.loader.exec_module(waves)
 spec = json.load(open(sys.argv[1]))
 def note(event):
     with open(spec["log"], "a") as f:
@@ -279,8 +283,8 @@ print("output of", spec["label"], flush=True)
 time.sleep(spec["build_s"])
 if spec.get("fail_build"):
     sys.exit(5)
-vo.signal_ready(spec)
-vo.wait_for_go(spec, poll_s=0.01)
+waves.signal_ready(spec)
+waves.wait_for_go(spec, poll_s=0.01)
 note("measure")
 time.sleep(spec["measure_s"])
 note("end")
@@ -291,7 +295,7 @@ def _fake_jobs(tmp_path, runs):
     import sys
 
     script = tmp_path / "fake_worker.py"
-    script.write_text(_FAKE_WORKER.format(script=str(_SCRIPT)))
+    script.write_text(_FAKE_WORKER.format(script=str(_WAVES)))
     log = tmp_path / "events.jsonl"
     jobs = []
     for label, extra in runs:
@@ -313,11 +317,11 @@ def _events(log):
     return ev
 
 
-def test_run_waves_builds_side_by_side_and_measures_one_at_a_time(vo, tmp_path):
+def test_run_waves_builds_side_by_side_and_measures_one_at_a_time(tmp_path):
     # The slowest builder starts first: with a barrier nobody measures before it is built.
     runs = [("a", {"build_s": 1.0}), ("b", {}), ("c", {"measure_s": 0.4}), ("d", {}), ("e", {})]
     jobs, log = _fake_jobs(tmp_path, runs)
-    status = vo.run_waves(jobs, 3, init_timeout=60, measure_timeout=60, log=lambda m: None)
+    status = waves.run_waves(jobs, 3, init_timeout=60, measure_timeout=60, log=lambda m: None)
     assert {k: v["status"] for k, v in status.items()} == dict.fromkeys("abcde", "done")
     assert all(v["rc"] == 0 for v in status.values())
     ev = _events(log)
@@ -335,13 +339,13 @@ def test_run_waves_builds_side_by_side_and_measures_one_at_a_time(vo, tmp_path):
     assert all((tmp_path / f"{x}.out").read_text() == f"output of {x}\n" for x in "abcde")
 
 
-def test_run_waves_failures_timeouts_and_deadline(vo, tmp_path):
+def test_run_waves_failures_timeouts_and_deadline(tmp_path):
     import time
 
     runs = [("ok", {}), ("dies", {"fail_build": True}), ("hangs", {"build_s": 30})]
     jobs, log = _fake_jobs(tmp_path, runs)
     t0 = time.monotonic()
-    status = vo.run_waves(jobs, 3, init_timeout=2, measure_timeout=60, log=lambda m: None)
+    status = waves.run_waves(jobs, 3, init_timeout=2, measure_timeout=60, log=lambda m: None)
     assert time.monotonic() - t0 < 20  # the hanging build was killed at init_timeout
     assert status["ok"]["status"] == "done" and status["ok"]["rc"] == 0
     assert status["dies"]["status"] == "exited" and status["dies"]["rc"] == 5
@@ -353,7 +357,7 @@ def test_run_waves_failures_timeouts_and_deadline(vo, tmp_path):
     other.mkdir()
     jobs, log = _fake_jobs(other, [("slow", {"measure_s": 30}), ("late", {})])
     t0 = time.monotonic()
-    status = vo.run_waves(jobs, 1, init_timeout=60, measure_timeout=60, deadline=t0 + 5, min_left=3,
+    status = waves.run_waves(jobs, 1, init_timeout=60, measure_timeout=60, deadline=t0 + 5, min_left=3,
                           log=lambda m: None)
     assert status["slow"]["status"] == "timeout-measure" and status["slow"]["rc"] == 124
     assert time.monotonic() - t0 < 15
