@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, from the repository root, once the TileLang and SGLang bundles are
-# loaded (docs/sglang.md, "GPU acceptance run"):
+# loaded (docs/gpu-machine.md, "SGLang acceptance"):
 #
 #   bash scripts/sglang_gpu_accept.sh tests                      # steps 1 and 2
 #   bash scripts/sglang_gpu_accept.sh engine [sglang_offline.py args...]   # steps 1 and 3
@@ -12,7 +12,7 @@
 #    triton is an error): FlashQLAGDNKernel through SGLang's interface against the float64
 #    oracle and SGLang's own triton kernel, CUDA-graph capture of decode, start-up binding;
 # 3. the offline engine comparison, e2e_bench/sglang_offline.py (needs FlashInfer's JIT sources:
-#    load the tilelang-fi bundle instead of tilelang, see docs/sglang.md).
+#    load the tilelang-fi bundle instead of tilelang, see docs/gpu-machine.md).
 # Logs and results go to $OUT (sglang-gpu-env.log, sglang-gpu-tests.log, sglang-offline.log, ...).
 # Exit status: 0, or the first failing step's number.
 set -uo pipefail
