@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from . import backend
+from .constants import HEAD_DIM
 
 logger = logging.getLogger("qla_serving")
 
@@ -148,10 +149,91 @@ def kernel_counts() -> tuple[int, int]:
     return library.loaded, decode.compiled_kernels() + 2 * chunk_prefill.compile_count()
 
 
+# Lengths tried for the long prefill call, shortest first: the first one the planner splits into
+# AutoCP segments on this device is run (the planner never splits below 2048 tokens).
+LONG_PREFILL_TOKENS = (2048, 4096, 8192, 16384)
+
+
+def long_prefill_tokens(num_v_heads: int, sm_count: int) -> int:
+    """The shortest of :data:`LONG_PREFILL_TOKENS` that the planner runs as several AutoCP work
+    items at ``num_v_heads`` heads on ``sm_count`` SMs (the longest where none is split)."""
+    from .plan import plan_context_parallel
+
+    for tokens in LONG_PREFILL_TOKENS:
+        if sm_count and plan_context_parallel([tokens], num_v_heads, sm_count) is not None:
+            return tokens
+    return LONG_PREFILL_TOKENS[-1] if sm_count else LONG_PREFILL_TOKENS[0]
+
+
+def device_call_steps(cfg: WarmupConfig, device: torch.device | str, *, A_log: torch.Tensor | None = None,
+                      dt_bias: torch.Tensor | None = None) -> list[tuple[str, Callable]]:
+    """Real op calls on ``device`` with ``cfg``'s dtypes: what loading a kernel does not do.
+
+    A kernel taken from a library is only looked up by the kernel modules' ``warmup``; its first
+    launch sets it up on the device (the library's per-kernel init, the driver loading its code).
+    And a long single sequence takes a path no short prefill takes: the planner splits it into
+    AutoCP segments (several work items per sequence, a snapshot of the start states, workspaces
+    for its chunks). The prefill call is one such sequence, planned as the adapters plan a batch
+    (with the value-head count, on this device's SMs), so the first long request of a served model
+    runs nothing for the first time. Inputs are constants (no RNG) on a private one-slot pool.
+
+    Args:
+        cfg: the layer's static configuration (phases, heads, dtypes).
+        device: the CUDA device the engine runs the layer on.
+        A_log, dt_bias: the layer's gate parameters for the decode call (None: constants of
+            ``cfg.gate_dtype`` / ``cfg.bias_dtype``).
+    """
+    from .ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
+    from .plan import _sm_count, plan_prefill
+
+    dev = torch.device(device)
+    H, HV, K = cfg.num_qk_heads, cfg.num_v_heads, HEAD_DIM
+    steps = []
+
+    def unit(*shape):
+        return torch.full(shape, K**-0.5, dtype=cfg.dtype, device=dev)
+
+    def pool():
+        return torch.zeros(1, HV, K, K, dtype=cfg.pool_dtype, device=dev)
+
+    def slot():
+        return torch.zeros(1, dtype=torch.int32, device=dev)
+
+    if "prefill" in cfg.phases:
+        def prefill_call():
+            T = long_prefill_tokens(HV, _sm_count(dev))
+            chunk_gated_delta_rule_pool(
+                unit(T, H, K), unit(T, H, K), unit(T, HV, K), torch.full((T, HV), -0.1, device=dev),
+                torch.full((T, HV), 0.5, dtype=cfg.prefill_beta_dtype, device=dev), pool(), slot(),
+                has_initial_state=torch.zeros(1, dtype=torch.bool, device=dev), scale=K**-0.5,
+                use_qk_l2norm_in_kernel=cfg.prefill_qk_l2norm,
+                plan=plan_prefill([0, T], device=dev, num_v_heads=HV))
+
+        steps.append(("long prefill call", prefill_call))
+
+    gate = A_log if A_log is not None else torch.full((HV,), -1.0, dtype=cfg.gate_dtype, device=dev)
+    bias = dt_bias if dt_bias is not None else torch.zeros(HV, dtype=cfg.bias_dtype or cfg.gate_dtype, device=dev)
+
+    def decode_call(T: int):
+        shape = (1, T) if T > 1 else (1,)
+        gated_delta_rule_decode(
+            unit(*shape, H, K), unit(*shape, H, K), unit(*shape, HV, K), unit(*shape, HV), unit(*shape, HV),
+            gate, bias, pool(), slot(), scale=K**-0.5, use_qk_l2norm_in_kernel=True,
+            intermediate_states=(torch.empty(1, T, HV, K, K, dtype=cfg.pool_dtype, device=dev) if T > 1 else None),
+            inplace_final_state=T == 1)
+
+    if "decode" in cfg.phases:
+        steps.append(("decode call", lambda: decode_call(1)))
+    if "verify" in cfg.phases and cfg.verify_tokens and cfg.verify_tokens > 1:
+        steps.append(("speculative-verify call", lambda: decode_call(cfg.verify_tokens)))
+    return steps
+
+
 def warm_up(cfg: WarmupConfig, log: logging.Logger = logger) -> int:
     """Compile every kernel configuration ``cfg`` needs; returns how many steps ran cleanly."""
     steps = resolve_steps(kernel_warmup_specs(cfg), log)
     return len(steps) - run_warmup(steps, log=log)
 
 
-__all__ = ["WarmupConfig", "kernel_warmup_specs", "resolve", "resolve_steps", "run_warmup", "warm_up"]
+__all__ = ["LONG_PREFILL_TOKENS", "WarmupConfig", "device_call_steps", "kernel_warmup_specs", "long_prefill_tokens",
+           "resolve", "resolve_steps", "run_warmup", "warm_up"]

@@ -104,3 +104,30 @@ def test_decode_warmup_covers_the_key_a_real_call_uses(monkeypatch, bias_dtype):
         decode.warmup(2, 4, 1, dtype=torch.bfloat16, pool_dtype=torch.float32, gate_dtype=torch.float32)
         one_gate_dtype = set(keys)
         assert call_key(8, 1, verify=False) not in one_gate_dtype
+
+
+def test_device_calls_take_the_long_sequence_path_of_the_first_long_request(monkeypatch):
+    """The first long prefill of a served model (one 8192-token sequence, 32 value heads, 132 SMs) is
+    planned as AutoCP segments: several work items per sequence, the start-state snapshot, workspaces
+    for its chunks. The start-up calls must take that path (a short prefill does not), and launch the
+    decode kernel, so the first request launches nothing for the first time."""
+    from qla_serving.kernels import chunk_prefill, decode
+
+    from qla_serving import backend, plan
+
+    monkeypatch.setattr(backend, "device_unsupported_reason", lambda device: None)  # the SM90 decision
+    monkeypatch.setattr(plan, "_sm_count", lambda device: 132)  # an H100's SMs
+    plans, decodes = [], []
+    monkeypatch.setattr(chunk_prefill, "chunk_gated_delta_rule_fwd", lambda *a, plan, **kw: plans.append(plan))
+    monkeypatch.setattr(decode, "gated_delta_rule_decode_fwd", lambda *a, **kw: decodes.append(a[0].shape))
+    cfg = _cfg(num_qk_heads=16, num_v_heads=32, verify_tokens=3)
+    steps = warmup.device_call_steps(cfg, "cpu")
+    assert [label for label, _ in steps] == ["long prefill call", "decode call", "speculative-verify call"]
+    for _, fn in steps:
+        fn()
+    (warm,) = plans
+    serving = plan.plan_prefill([0, 8192], num_v_heads=32)
+    assert serving.context_parallel is not None  # the finding's request is split ...
+    assert warm.num_seqs == 1 and warm.context_parallel is not None and warm.work_items_cpu.shape[0] > 1  # ... so is this
+    assert len(decodes) == 2
+    assert [label for label, _ in warmup.device_call_steps(_cfg(phases=frozenset({"decode"})), "cpu")] == ["decode call"]
