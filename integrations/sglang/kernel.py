@@ -603,7 +603,7 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
                                    strict_message=f"{message}. QLA_STRICT=1 forbids the fallback")
         restore_triton(dispatcher, reason)
         return reason
-    warmup_kernels(**config)
+    warmup_kernels(device=device, **config)
     return None
 
 

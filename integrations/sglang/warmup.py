@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from qla_serving.warmup import WarmupConfig, kernel_warmup_specs, resolve_steps, run_warmup
+from qla_serving.warmup import WarmupConfig, device_call_steps, kernel_warmup_specs, resolve_steps, run_warmup
 
 logger = logging.getLogger("qla_serving")
 
@@ -43,17 +43,32 @@ def warmup_specs(
         index_dtype: dtype of SGLang's ``cache_indices`` (int32).
         draft_tokens: speculative draft tokens per request (verify), or None.
     """
+    cfg = warmup_config(phases=phases, num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, dtype=dtype,
+                        pool_dtype=pool_dtype, gate_dtype=gate_dtype, bias_dtype=bias_dtype,
+                        index_dtype=index_dtype, draft_tokens=draft_tokens)
+    return [] if cfg is None else kernel_warmup_specs(cfg)
+
+
+def warmup_config(*, phases, num_qk_heads: int | None, num_v_heads: int, dtype: torch.dtype,
+                  pool_dtype: torch.dtype, gate_dtype: torch.dtype = torch.float32,
+                  bias_dtype: torch.dtype | None = None, index_dtype: torch.dtype = torch.int32,
+                  draft_tokens: int | None = None) -> WarmupConfig | None:
+    """:func:`warmup_specs`' arguments as a :class:`~qla_serving.warmup.WarmupConfig` (None
+    without head counts)."""
     if num_qk_heads is None:
-        return []
-    return kernel_warmup_specs(WarmupConfig(
+        return None
+    return WarmupConfig(
         num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, dtype=dtype, pool_dtype=pool_dtype,
         gate_dtype=gate_dtype, bias_dtype=bias_dtype, index_dtype=index_dtype, phases=frozenset(phases),
         prefill_beta_dtype=torch.float32, prefill_qk_l2norm=True, verify_tokens=draft_tokens,
-    ))
+    )
 
 
-def warmup_kernels(**config) -> int:
-    """Compile every configuration of :func:`warmup_specs` with a progress bar; return how many ran.
+def warmup_kernels(device: torch.device | str | None = None, **config) -> int:
+    """Compile every configuration of :func:`warmup_specs` with a progress bar, then, on a CUDA
+    ``device``, call the ops once for real (:func:`qla_serving.warmup.device_call_steps`: the
+    kernels' first launch, and a long prefill on the planner's AutoCP path, which SGLang's own
+    short warm-up request does not take); return how many steps ran.
 
     Accepts the keyword arguments of :func:`warmup_specs`. Missing kernel modules are logged
     and compile on first use; a failing compile is logged, or raised under ``QLA_STRICT=1``.
@@ -64,7 +79,14 @@ def warmup_kernels(**config) -> int:
             logger.warning("qla-serving: no GDN layer found to read head counts from; kernels compile on first use")
         return 0
     steps = resolve_steps(specs, logger)
-    return len(steps) - run_warmup(steps, log=logger)
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        steps += device_call_steps(warmup_config(**config), device)
+    with torch.no_grad():
+        failed = run_warmup(steps, log=logger)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return len(steps) - failed
 
 
-__all__ = ["warmup_kernels", "warmup_specs"]
+__all__ = ["warmup_config", "warmup_kernels", "warmup_specs"]

@@ -152,7 +152,9 @@ def test_supported_config_keeps_our_kernel_and_compiles_at_start_up(dispatcher, 
     assert bind_to_runner(kernel, dispatcher, gdn_backend_with(dispatcher), runner(draft_tokens=4)) is None
     assert kernel_types(dispatcher) == {"FlashQLAGDNKernel"}
     assert len(compiled) == 1
-    cfg = compiled[0]
+    cfg = dict(compiled[0])
+    assert "device" in cfg  # the device calls run where the model does
+    cfg.pop("device")
     assert (
         cfg["phases"] == {"decode", "prefill", "verify"}
         and cfg["num_qk_heads"] == 2
@@ -227,3 +229,21 @@ def test_kernels_in_no_library_without_tilelang_fall_back(dispatcher, monkeypatc
             bind_to_runner(kernel, dispatcher, None, runner())
     finally:
         library.reset()
+
+
+def test_warmup_calls_the_ops_on_a_cuda_device(monkeypatch):
+    """SGLang's own warm-up request is a few tokens: the long-prefill (AutoCP) path and the kernels'
+    first launch are ours to run at start-up, on the model's CUDA device (not on other devices)."""
+    from qla_serving.integrations.sglang import warmup
+
+    ran, synced = [], []
+    monkeypatch.setattr(warmup, "warmup_specs", lambda **cfg: [("decode", __name__, "fake_warmup", {"T": 1})])
+    monkeypatch.setattr(warmup, "device_call_steps",
+                        lambda cfg, device: [("long prefill call", lambda: ran.append((cfg.num_v_heads, device)))])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    config = {"phases": {"prefill", "decode"}, "num_qk_heads": 2, "num_v_heads": 4, "dtype": torch.bfloat16,
+              "pool_dtype": torch.float32}
+    assert warmup.warmup_kernels(device=torch.device("cuda", 0), **config) == 2
+    assert ran == [(4, torch.device("cuda", 0))] and synced == [torch.device("cuda", 0)]
+    ran.clear()
+    assert warmup.warmup_kernels(device=torch.device("cpu"), **config) == 1 and ran == []
