@@ -15,7 +15,7 @@ def test_steps_of_a_static_config_cover_prefill_decode_and_spec():
                               dtype=torch.bfloat16, state_dtype=torch.float32, gate_dtype=torch.float32,
                               bias_dtype=torch.bfloat16, num_spec_tokens=2)
     names = [name for name, _ in warmup.warmup_steps(cfg, torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16))]
-    assert {"prefill call", "decode call", "speculative-verify call"} <= set(names)
+    assert {"long prefill call", "decode call", "speculative-verify call"} <= set(names)
     no_spec = warmup.StaticConfig(**{**cfg.__dict__, "num_spec_tokens": 0})
     assert "speculative-verify call" not in [n for n, _ in warmup.warmup_steps(no_spec, torch.zeros(4), torch.zeros(4))]
 
