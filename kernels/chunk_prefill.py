@@ -24,10 +24,9 @@ batch composition compiles nothing and syncs nothing.
   per-token factors, up to two chunks ahead), and a TMA producer filling the next stage. The
   two state warpgroups take turns issuing their first products (named barriers), so that one's
   element-wise steps overlap the other's products; a chunk's output leaves one chunk later,
-  transposed by stmatrix into a shared tile and one TMA store per warpgroup. (The previous
-  four-role kernel handed the bf16 state and ``v'`` between warpgroups through shared memory
-  every chunk, ~5.5k cycles per chunk against ~4.2k now; it is in the git history before this
-  sentence, as is an earlier variant with TileLang's automatic producer/consumer split.)
+  transposed by stmatrix into a shared tile and one TMA store per warpgroup. The state never
+  crosses warpgroups: handing it (and ``v'``) over through shared memory every chunk costs more
+  cycles per chunk than the products it would free (docs/prefill-performance.md).
   No per-chunk state goes to memory: the initial state is read from the engine's pool, the
   final state written back in place, checkpoints written at the plan's chunk boundaries.
   It is launched as ``prep``'s programmatic dependent (``pdl_trigger`` / ``pdl_sync``): its
@@ -165,7 +164,6 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # mma.sync, every warp loading all of B: ~5x the shared-memory traffic), and fp16
             # keeps tf32's 10-bit mantissa; the factors stay within |x| <= ~2 (unit k,
             # beta <= 1; largest seen 2.0 over 1000 random, rank-2 and repeated-k chunks).
-            # H200, 16/64 8x4096: prep 0.995 -> 0.687 ms, outputs within 4.9e-4 of tf32's
             Dinv_s = T.alloc_shared((C, C), MERGE_DTYPE)  # inverse of the 16x16 diagonal blocks
             N_s = T.alloc_shared((C, C), MERGE_DTYPE)  # N
             X_s = T.alloc_shared((C, C), MERGE_DTYPE)  # P
@@ -208,11 +206,10 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # to it: a loop that does both reloads every operand after each store (the compiler
             # cannot rule out aliasing), one load latency per element.
             # With the L2 norm, k stays raw in its tile: |k_i|^2 is the diagonal of k k^T, and A
-            # takes 1 / (|k_i| |k_j|) in fp32. A pass that squared, reduced and rescaled the
-            # tile took a quarter of this kernel's stall samples (H200, 16/64 heads). One block
-            # per q/k head writes 1 / |q_i| (from the diagonal of q q^T the same way) and
-            # 1 / |k_i| for chunk_fwd, which scales by them instead of reading normalised copies
-            # (H200, 16/16 heads 8x4096: prep 0.181 -> 0.136 ms, chunk_fwd unchanged).
+            # takes 1 / (|k_i| |k_j|) in fp32, with no pass that squares, reduces and rescales
+            # the tile. One block per q/k head writes 1 / |q_i| (from the diagonal of q q^T the
+            # same way) and 1 / |k_i| for chunk_fwd, which scales by them instead of reading
+            # normalised copies.
             T.barrier_wait(loaded, 0)
             T.gemm(k_s, k_s, A_f, transpose_B=True, clear_accum=True)
             if l2:
@@ -270,10 +267,8 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # A left factor that is an earlier product stays in registers (an fp16 fragment in
             # the accumulator's layout is wgmma's register A operand): only right factors go to
             # shared memory, each from an fp16 fragment by one T.copy (stmatrix: four
-            # instructions per thread, where element-wise stores took 32 two-byte ones).
-            # (Nsight Compute, H200 16/64 8x4096: prep is bound by its shared-memory pipe, L1
-            # 86% busy, 1816 wavefronts per block; this takes 320 of them and two stmatrix
-            # copies, fences and barriers out.)
+            # instructions per thread, where element-wise stores took 32 two-byte ones): prep is
+            # bound by its shared-memory pipe.
             T.gemm(Dinv_s, N_s, P_f, clear_accum=True)  # P
             for i, j in T.Parallel(C, C):
                 Mh_f[i, j] = T.cast(P_f[i, j], MERGE_DTYPE)
@@ -733,8 +728,8 @@ def _kernel_set(cfg: PrefillStaticConfig):
 def _compile_set(cfg: PrefillStaticConfig, tilelang):
     tune = PREFILL_CONFIGS
     target, pc = _target(), _pass_configs()
-    # prep with nvcc's fast math (one MUFU per exp2/rsqrt, no denormal fix-ups): H200 16/64
-    # 8x4096 prep 0.592 -> 0.574 ms; chunk_fwd gained nothing from it and keeps exact math
+    # prep with nvcc's fast math (one MUFU per exp2/rsqrt, no denormal fix-ups); chunk_fwd
+    # gained nothing from it and keeps exact math
     prep = tilelang.compile(_build_prep(cfg, tune["prep_threads"], tune["prep_min_blocks"], tune["prep_a_row_pad"]),
                             target=target, pass_configs=_pass_configs(fast_math=True))
     # chunk_fwd places its own warpgroup barriers (see _build_chunk_fwd)
@@ -785,8 +780,6 @@ def missing(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_d
     return [f"{kind} {cfg}" for kind in ("prep", "chunk_fwd") if not library.has(kind, cfg)]
 
 
-prepare = warmup
-
 
 def _flat_pool(state_pool: torch.Tensor) -> torch.Tensor:
     """A 1-D view of the pool from slot 0 to the end of the last slot (slot stride kept as is)."""
@@ -823,6 +816,19 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale: float, plan, state_po
             has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm, checkpoints=checkpoints, out=out)
 
 
+_unused_checkpoints: dict[tuple, torch.Tensor] = {}
+
+
+def _unused_checkpoint(num_v_heads: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-row checkpoint buffer the kernel is given, and never writes, when a batch has no
+    checkpoints (its argument cannot be empty); one per head count, dtype and device."""
+    key = (num_v_heads, dtype, device)
+    buf = _unused_checkpoints.get(key)
+    if buf is None:
+        buf = _unused_checkpoints[key] = torch.empty(1, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=dtype, device=device)
+    return buf
+
+
 def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_initial_state, use_qk_l2norm,
             checkpoints, out) -> dict:
     """Runs the two kernels; returns the workspaces (t_beta, g_cum, qk_rnorm) for stage tests."""
@@ -847,10 +853,7 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
     qk_rnorm = torch.empty(NC, H, 2, CHUNK, dtype=torch.float32, device=dev)
     every = plan.checkpoint_every or 0
     if checkpoints is None or every == 0 or checkpoints.shape[0] == 0:
-        ckpt, every_chunks = plan.extras.get("_dummy_ckpt"), 0
-        if ckpt is None or ckpt.dtype != state_pool.dtype or ckpt.shape[1] != HV or ckpt.device != dev:
-            ckpt = torch.empty(1, HV, V, K, dtype=state_pool.dtype, device=dev)
-            plan.extras["_dummy_ckpt"] = ckpt
+        ckpt, every_chunks = _unused_checkpoint(HV, state_pool.dtype, dev), 0
     else:
         ckpt, every_chunks = checkpoints, every // CHUNK
     cu = plan.cu_seqlens
@@ -864,10 +867,7 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
         h0_pool = torch.index_select(state_pool, 0, state_indices)
         h0_stride = h0_pool.stride(0)
         h0_pool = h0_pool.view(-1)
-        h0_slots = plan.extras.get("_seq_ids")
-        if h0_slots is None or h0_slots.device != dev:
-            h0_slots = torch.arange(N, dtype=torch.int32, device=dev)
-            plan.extras["_seq_ids"] = h0_slots
+        h0_slots = plan.seq_ids
     prep(q, k, g, beta, plan.chunk_bounds, t_beta, g_cum, qk_rnorm)
     fwd(q, k, v, t_beta, g_cum, qk_rnorm, cu, plan.chunk_offsets, items, plan.checkpoint_offsets,
         has_initial_state.view(torch.uint8), h0_slots, h0_pool, h0_stride, state_indices, flat_pool,

@@ -26,8 +26,8 @@ writes 64 KiB of fp32 state for ~1 MFLOP), so the kernel is laid out for bandwid
   loaded together with the state index, before anything depends on the slot, and the state
   loads follow the index; padded rows (index -1) run the same arithmetic on a zero state with
   every store masked, which keeps the compiler from sinking the activation loads behind the
-  slot test (the previous order, slot test first, was 3-10% slower in the H200 tile sweep,
-  ``e2e_bench/results/2026-11-21-nvidia-h200-decode-tiles.md``, tiles marked ``late``);
+  slot test (slot test first is slower: ``e2e_bench/results/2026-11-21-nvidia-h200-decode-tiles.md``,
+  tiles marked ``late``);
 * the state stays in registers across the ``T`` tokens; it is read once and written once
   (plus once per token into ``intermediate_states`` when the caller wants it); a streaming
   tile (``s``) stores each row of a single-token step as soon as it is updated.

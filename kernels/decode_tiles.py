@@ -88,8 +88,14 @@ class DecodeTile(NamedTuple):
 _forced_tile: DecodeTile | None = None  # set by force_tile (tile sweeps); None: DECODE_CONFIGS decides
 
 
+# Parsed bands per pool dtype, with the table and entry they were parsed from: tile_for runs on
+# every decode call, the table changes only when it is replaced (tests, tile sweeps).
+_parsed: dict[str, tuple] = {}
+
+
 def _configured_tiles(pool_dtype: str) -> list[tuple[int | None, DecodeTile]]:
-    """DECODE_CONFIGS' tiles for one pool dtype as (max_pairs or None for no limit, tile), in order.
+    """DECODE_CONFIGS' tiles for one pool dtype as (max_pairs or None for no limit, tile), in order
+    (parsed once per table entry).
 
     Two forms are read: ``"bands": [(max_pairs, "ROWSxTHREADS[lLANES][bMINBLOCKS]"), ...,
     (None, "...")]`` (first band whose max_pairs >= the call's (sequence, head) pairs wins), or
@@ -98,6 +104,15 @@ def _configured_tiles(pool_dtype: str) -> list[tuple[int | None, DecodeTile]]:
     ``small_lanes_per_row`` say otherwise).
     """
     cfg = DECODE_CONFIGS[pool_dtype]
+    hit = _parsed.get(pool_dtype)
+    if hit is not None and hit[0] is DECODE_CONFIGS and hit[1] is cfg:
+        return list(hit[2])
+    bands = _parse_bands(pool_dtype, cfg)
+    _parsed[pool_dtype] = (DECODE_CONFIGS, cfg, tuple(bands))
+    return bands
+
+
+def _parse_bands(pool_dtype: str, cfg: dict) -> list[tuple[int | None, DecodeTile]]:
     if "bands" in cfg:
         bands = [
             (limit, DecodeTile.parse(t) if isinstance(t, str) else DecodeTile(*t))

@@ -24,11 +24,13 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import logging
 import os
 import pathlib
 import threading
+import tokenize
 
 import torch
 
@@ -38,9 +40,9 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 SHIPPED_DIR = pathlib.Path(__file__).with_name("shipped")
 USER_DIR = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "qla-serving" / "kernels"
-# The files whose text decides what the kernels compile to (the builders and the constants they
-# read); with PREFILL_CONFIGS, the one tuning table not in a kernel's key. Any edit to them makes
-# a library stale: rebuild it with the edit.
+# The files whose code decides what the kernels compile to (the builders and the constants they
+# read); with PREFILL_CONFIGS, the one tuning table not in a kernel's key. Any edit to their code
+# makes a library stale (rebuild it with the edit); comments and blank lines are not digested.
 SOURCE_FILES = ("chunk_prefill.py", "decode.py", "decode_tiles.py")  # beside this file, and constants.py
 
 # C types of a ``call`` parameter as TileLang's host code declares them -> ctypes.
@@ -66,9 +68,20 @@ def source_digest(files: list[pathlib.Path] | None = None) -> str:
         files = [here / name for name in SOURCE_FILES] + [pathlib.Path(constants.__file__)]
     h = hashlib.sha256()
     for path in files:
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        h.update(path.name.encode() + b"\0" + _code_text(path.read_text()).encode() + b"\0")
     h.update(repr(sorted(PREFILL_CONFIGS.items())).encode())
     return h.hexdigest()[:16]
+
+
+def _code_text(source: str) -> str:
+    """``source`` without its comments, trailing blanks and empty lines: what a digest of the
+    code reads (the same on every Python version; tokenize's comment positions are stable)."""
+    lines = source.splitlines()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            (row, col), _ = tok.start, tok.end
+            lines[row - 1] = lines[row - 1][:col]
+    return "\n".join(line.rstrip() for line in lines if line.strip())
 
 
 def parse_signature(lib_code: str, entry: str = "call") -> list[tuple[str, str]]:

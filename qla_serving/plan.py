@@ -67,6 +67,12 @@ class PrefillPlan:
     # The sizes below are read by every layer's op and kernel call: computed once per plan (the
     # tables are not changed after planning), not once per layer.
     @functools.cached_property
+    def seq_ids(self) -> torch.Tensor:
+        """``[N]`` int32 on the device, ``0 .. N - 1``: the start-state rows of a context-parallel
+        batch, whose kernel reads start states from a snapshot of the sequences' slots."""
+        return torch.arange(self.num_seqs, dtype=torch.int32, device=self.cu_seqlens.device)
+
+    @functools.cached_property
     def num_seqs(self) -> int:
         return self.cu_seqlens_cpu.numel() - 1
 

@@ -115,9 +115,9 @@ def _decode_once(N=3, pool_dtype=torch.float32):
 
 
 def test_decode_tile_table_is_parsed_once_not_per_call(kernels_here, monkeypatch):
-    """The decode kernel entry picks its tile from DECODE_CONFIGS on every call; the op layer
-    memoises the table's parse (regex per band, tile checks): no parse after the first call, a
-    new parse when the table is replaced, and force_tile still wins."""
+    """The decode kernel entry picks its tile from DECODE_CONFIGS on every call; the table's parse
+    (regex per band, tile checks) is memoised: no parse after the first call, a new parse when the
+    table is replaced, and force_tile still wins."""
     from qla_serving.kernels import decode as kdecode
     from qla_serving.kernels import decode_tiles
 
@@ -149,4 +149,3 @@ def test_decode_tile_table_is_parsed_once_not_per_call(kernels_here, monkeypatch
     for _ in range(2):
         with pytest.raises(ValueError, match="last band"):
             _decode_once()
-    assert getattr(decode_tiles._configured_tiles, "qla_memoised", False)

@@ -48,6 +48,9 @@ def test_a_second_engine_joins_the_first_engines_file():
 
 def test_the_results_file_of_record_reads_back():
     record = json.loads((RESULTS / "2026-11-26-nvidia-h100-80gb-hbm3-install.json").read_text())
+    assert {r["engine"] for r in record["rows"]} == {"vllm", "sglang"} == set(record["meta"]["engines"])
+    # a new SGLang run replaces the record's SGLang rows and keeps the vLLM ones
     meta, rows = install.merge(_meta("sglang", {"sglang": "0.5.17"}), [], [record])
-    assert {r["engine"] for r in rows} == {"vllm"} and len(rows) == len(record["rows"])
+    vllm_rows = [r for r in record["rows"] if r["engine"] == "vllm"]
+    assert rows == vllm_rows and set(meta["engines"]) == {"vllm", "sglang"}
     assert install.markdown(meta, rows).count("| vllm |") == len(rows)

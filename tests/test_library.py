@@ -154,7 +154,14 @@ def test_source_digest_follows_the_kernel_sources(tmp_path):
     before = library.source_digest(files)
     assert library.source_digest(files) == before
     files[1].write_text("# decode.py, edited\n")
-    assert library.source_digest(files) != before
+    assert library.source_digest(files) == before  # comments are not code
+    files[1].write_text("X = 1  # decode.py\n\n")
+    code = library.source_digest(files)
+    assert code != before
+    files[1].write_text("X = 1  # another comment\n")
+    assert library.source_digest(files) == code
+    files[1].write_text("X = 2\n")
+    assert library.source_digest(files) != code
     assert library.source_digest() == library.source_digest()  # the installed sources
 
 

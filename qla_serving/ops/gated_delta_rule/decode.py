@@ -24,41 +24,8 @@ def _decode_kernel():
     if _kernel_module is None:
         from ...kernels import decode
 
-        _memoise_tile_table()
         _kernel_module = decode
     return _kernel_module.gated_delta_rule_decode_fwd
-
-
-# The decode kernel entry picks its tile on every call from DECODE_CONFIGS (kernels/configs.py) via
-# kernels/decode_tiles.py's ``_configured_tiles``, which parses the table's tile strings (a regex per
-# band) and checks each tile: microseconds of host work per layer call for a decision that changes
-# only when the table does. The kernel files are frozen (their bytes are the precompiled library's
-# digest), so the op layer memoises that parse where the kernels read it: once per pool dtype, and
-# again whenever DECODE_CONFIGS or its entry for that dtype is replaced (tests, tile sweeps).
-# ``force_tile`` is untouched: ``tile_for`` consults it before the table.
-_tile_tables: dict[str, tuple] = {}
-
-
-def _memoise_tile_table() -> None:
-    from ...kernels import decode_tiles
-
-    parse = decode_tiles._configured_tiles
-    if getattr(parse, "qla_memoised", False):
-        return
-
-    def configured_tiles(pool_dtype: str):
-        table = decode_tiles.DECODE_CONFIGS
-        entry = table.get(pool_dtype)
-        hit = _tile_tables.get(pool_dtype)
-        if hit is not None and hit[0] is table and hit[1] is entry:
-            return list(hit[2])
-        bands = parse(pool_dtype)
-        _tile_tables[pool_dtype] = (table, entry, tuple(bands))
-        return bands
-
-    configured_tiles.qla_memoised = True
-    configured_tiles.__doc__ = parse.__doc__
-    decode_tiles._configured_tiles = configured_tiles
 
 
 def gated_delta_rule_decode(
