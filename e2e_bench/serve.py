@@ -41,6 +41,7 @@ import urllib.error
 import urllib.request
 
 from .agreement import agree_fraction
+from .gpu_clocks import ClockSampler
 
 HERE = pathlib.Path(__file__).resolve().parent
 MODELS_DIR = HERE / "models"
@@ -63,7 +64,8 @@ VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 CLIENT_CLI = {"vllm": [*VLLM_CLI, "bench", "serve"], "sglang": [sys.executable, "-m", "sglang.bench_serving"]}
 ROW_KEYS = ("engine", "backend", "tp", "workload", "input_len", "output_len", "concurrency",
             "num_prompts", "request_throughput", "total_tok_s", "output_tok_s", "mean_ttft_ms",
-            "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "agree_fraction", "startup_s")
+            "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "agree_fraction", "startup_s",
+            "sm_clock_mhz_median", "sm_clock_mhz_min", "power_w_mean", "clock_limits")
 
 
 def log(msg: str) -> None:
@@ -486,7 +488,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                 ccmd = client_command(s, workload, conc, n, str(res), warmups=min(conc, args.warmups))
                 res.unlink(missing_ok=True)  # an earlier call's file must not stand in for this point
                 t1 = time.monotonic()
-                rc, err = client.run(ccmd, work / f"client-{backend}-{workload}-c{conc}.log")
+                with ClockSampler(work / f"clocks-{backend}-{workload}-c{conc}.csv") as clocks:
+                    rc, err = client.run(ccmd, work / f"client-{backend}-{workload}-c{conc}.log")
                 input_len, output_len = WORKLOADS[workload]
                 row = {"engine": s.engine, "backend": backend, "tp": s.tp, "workload": workload,
                        "input_len": input_len, "output_len": output_len, "concurrency": conc, "num_prompts": n,
@@ -494,7 +497,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                 if rc != 0 or not res.is_file():
                     row["error"] = f"client exit {rc}: {err or ''} {tail(work / f'client-{backend}-{workload}-c{conc}.log', 5)}"
                 else:
-                    row.update(parse_client_result(s.engine, str(res)))
+                    row.update(parse_client_result(s.engine, str(res)), **clocks.summary)
                 if not row.get("error") and row["completed"] < n:  # the clients count failed requests, exit 0
                     row["error"] = f"{row['completed']} of {n} requests completed"
                 if row.get("error"):
@@ -502,7 +505,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                 else:
                     log(f"point {backend} {workload} c{conc} n={n}: {row['total_tok_s']:.0f} tok/s total, "
                         f"{row['output_tok_s']:.0f} out, TTFT {row['mean_ttft_ms']:.0f} ms, "
-                        f"TPOT {row['mean_tpot_ms']:.2f} ms ({time.monotonic() - t1:.0f} s)")
+                        f"TPOT {row['mean_tpot_ms']:.2f} ms, SM {row.get('sm_clock_mhz_median')} MHz "
+                        f"({time.monotonic() - t1:.0f} s)")
                 if proc.poll() is not None:
                     row["error"] = row.get("error", "") + " server exited"
                 rows.append(row)
@@ -653,17 +657,20 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         sub = [r for r in rows if r["workload"] == workload]
         lines += [f"## {workload} ({sub[0]['input_len']} in / {sub[0]['output_len']} out)", "",
                   "| backend | conc | prompts | total tok/s | output tok/s | req/s | mean TTFT ms | p99 TTFT ms | "
-                  "mean TPOT ms | p99 TPOT ms | agree |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "mean TPOT ms | p99 TPOT ms | agree | SM MHz median (min) | power W | clock limits |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         fmt = lambda v, d=1: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
         for r in sorted(sub, key=lambda r: (r["concurrency"], r["backend"])):
             if r.get("error"):
                 lines.append(f"| {r['backend']} | {r['concurrency']} | {r.get('num_prompts')} | failed: "
-                             f"{r['error'][:80]} | | | | | | | |")
+                             f"{r['error'][:80]} | | | | | | | | | | |")
                 continue
             lines.append(f"| {r['backend']} | {r['concurrency']} | {r['num_prompts']} | {fmt(r['total_tok_s'], 0)} | "
                          f"{fmt(r['output_tok_s'], 0)} | {fmt(r['request_throughput'], 2)} | "
                          f"{fmt(r['mean_ttft_ms'])} | {fmt(r['p99_ttft_ms'])} | {fmt(r['mean_tpot_ms'], 2)} | "
-                         f"{fmt(r['p99_tpot_ms'], 2)} | {fmt(r['agree_fraction'], 3)} |")
+                         f"{fmt(r['p99_tpot_ms'], 2)} | {fmt(r['agree_fraction'], 3)} | "
+                         f"{fmt(r.get('sm_clock_mhz_median'), 0)} ({fmt(r.get('sm_clock_mhz_min'), 0)}) | "
+                         f"{fmt(r.get('power_w_mean'), 0)} | {', '.join(r.get('clock_limits') or []) or '—'} |")
         lines.append("")
     return "\n".join(lines)
 
