@@ -434,6 +434,19 @@ class Server:
             stop(self.proc)
 
 
+# vLLM's all-reduce + RMSNorm fusion pass at TP > 1 (docs/e2e.md, "Tensor parallelism"): "trtllm"
+# keeps it, on FlashInfer's trtllm backend (backend_env); "off" turns the pass off, for every
+# backend alike (no FlashInfer communication kernels to build at a cold start).
+ALLREDUCE_FUSION = ("trtllm", "off")
+
+
+def allreduce_fusion_args(engine: str, tp: int, mode: str) -> list[str]:
+    """Server arguments for ``--allreduce-fusion mode`` (none where the pass does not run)."""
+    if engine != "vllm" or tp == 1 or mode == "trtllm":
+        return []
+    return ["--compilation-config", json.dumps({"pass_config": {"fuse_allreduce_rms": False}})]
+
+
 def backend_env(backend: str, tp: int = 1, engine: str = "vllm") -> dict:
     env = dict(os.environ)
     if engine == "sglang":
@@ -769,6 +782,8 @@ def parse_args(argv):
     p.add_argument("--start-timeout", type=float, default=480)
     p.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: none); points past it are left out")
     p.add_argument("--server-arg", action="append", default=[], help="one more server argument (repeatable)")
+    p.add_argument("--allreduce-fusion", choices=ALLREDUCE_FUSION, default="trtllm",
+                   help="vLLM at TP > 1: its all-reduce + RMSNorm fusion on FlashInfer's trtllm backend, or off")
     p.add_argument("--profile", default="", metavar="WORKLOAD:CONC",
                    help="vLLM: run this point once more under the engine's torch profiler (a window of "
                         "--profile-steps steps after --profile-delay) and summarise the trace (e2e_bench/trace_summary.py)")
@@ -803,6 +818,7 @@ def main(argv=None) -> int:
     if argv and argv[0] == "report":
         return report(argv[1:])
     args = parse_args(argv)
+    args.server_arg = args.server_arg + allreduce_fusion_args(args.engine, args.tp, args.allreduce_fusion)
     spec = model_spec(args.model)
     max_len = args.max_len or max(i + o for i, o in (WORKLOADS[w] for w in args.workloads)) + 1024
     work = pathlib.Path(args.work_dir or f"/tmp/qla-serve-{args.engine}-{args.model}-tp{args.tp}")

@@ -644,6 +644,8 @@ def parse_args(argv):
     p.add_argument("--model", default="qwen3-next-80b-a3b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--allreduce-fusion", choices=serve.ALLREDUCE_FUSION, default="trtllm",
+                   help="vLLM at TP > 1: its all-reduce + RMSNorm fusion on FlashInfer's trtllm backend, or off")
     p.add_argument("--backends", nargs="+", choices=serve.BACKENDS, default=["flashqla", "default"])
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--requests", type=int, default=2000, help="load: requests")
@@ -692,6 +694,7 @@ def max_model_len(args, plan: dict) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    args.server_arg = args.server_arg + serve.allreduce_fusion_args(args.engine, args.tp, args.allreduce_fusion)
     spec = serve.model_spec(args.model)
     plan = plan_requests(args)
     max_len = max_model_len(args, plan)

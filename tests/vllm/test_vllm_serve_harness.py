@@ -74,6 +74,20 @@ def test_tp_command_disables_custom_all_reduce(registered, setup):
     assert args.tensor_parallel_size == 4 and args.disable_custom_all_reduce
 
 
+def test_allreduce_fusion_off_reaches_vllms_pass_config(registered, setup):
+    """--allreduce-fusion off: the server arguments turn vLLM's all-reduce + RMSNorm fusion pass
+    off at TP > 1 (parsed by `vllm serve`'s parser); nothing changes at TP 1 or for trtllm."""
+    _, s = setup
+    s2 = serve.Setup(**{**s.__dict__, "tp": 2})
+    extra = serve.allreduce_fusion_args("vllm", 2, "off")
+    args = _serve_parser().parse_args(serve.server_command(s2, "flashqla", extra)[len(serve.VLLM_CLI) + 1:])
+    assert args.compilation_config.pass_config.fuse_allreduce_rms is False
+    plain = _serve_parser().parse_args(serve.server_command(s2, "flashqla")[len(serve.VLLM_CLI) + 1:])
+    assert plain.compilation_config.pass_config.fuse_allreduce_rms is None  # vLLM decides (on at TP > 1)
+    assert serve.allreduce_fusion_args("vllm", 1, "off") == serve.allreduce_fusion_args("vllm", 2, "trtllm") == []
+    assert serve.allreduce_fusion_args("sglang", 2, "off") == []
+
+
 def test_client_command_parses_with_vllms_bench_parser(setup, tmp_path):
     import argparse
 
