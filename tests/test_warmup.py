@@ -131,3 +131,33 @@ def test_device_calls_take_the_long_sequence_path_of_the_first_long_request(monk
     assert warm.num_seqs == 1 and warm.context_parallel is not None and warm.work_items_cpu.shape[0] > 1  # ... so is this
     assert len(decodes) == 2
     assert [label for label, _ in warmup.device_call_steps(_cfg(phases=frozenset({"decode"})), "cpu")] == ["decode call"]
+
+
+@pytest.mark.parametrize("over", [
+    dict(num_qk_heads=16, num_v_heads=32, pool_dtype=torch.bfloat16, verify_tokens=4,
+         prefill_beta_dtype=torch.float32, prefill_qk_l2norm=True),  # SGLang's calls
+    dict(num_qk_heads=16, num_v_heads=64, pool_dtype=torch.float32, gate_dtype=torch.float32,
+         bias_dtype=torch.bfloat16, prefill_qk_l2norm=False),
+])
+def test_device_calls_ask_for_no_kernel_the_warmup_did_not(monkeypatch, over):
+    """The start-up device calls launch kernels the warm-up resolved: under QLA_STRICT=1 with the
+    engine's own TileLang (no compiler), a call that asked for another configuration would fail
+    the server's start."""
+    from qla_serving import backend, plan
+    from qla_serving.kernels import chunk_prefill, decode
+
+    monkeypatch.setattr(backend, "device_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(plan, "_sm_count", lambda device: 132)
+    keys = []
+    monkeypatch.setattr(decode, "_get_kernel", lambda key: keys.append(key) or (lambda *args: None))
+    monkeypatch.setattr(chunk_prefill, "_kernel_set",
+                        lambda cfg: keys.append(cfg) or (lambda *args: None, lambda *args: None))
+    cfg = _cfg(**over)
+    for _, module, function, kwargs in warmup.kernel_warmup_specs(cfg):
+        getattr(chunk_prefill if module.endswith(".chunk_prefill") else decode, function)(**kwargs)
+    warm = set(keys)
+    keys.clear()
+    steps = warmup.device_call_steps(cfg, "cpu")
+    for _, fn in steps:
+        fn()
+    assert len(keys) == len(steps) and set(keys) <= warm
