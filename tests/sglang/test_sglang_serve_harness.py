@@ -153,3 +153,23 @@ def test_dummy_weights_get_gates_that_remember(sglang_plugins, monkeypatch):
     a = model[0].A_log.exp()
     assert bool(((a >= GATE_A_RANGE[0]) & (a <= GATE_A_RANGE[1])).all())
     assert serve.backend_env("triton")["QLA_BENCH_GDN_GATES"] == "1"
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-397b-a17b"])
+def test_model_files_load_as_sglangs_model_config(name, tmp_path):
+    """The harness's model files (either released shape, cut to 8 layers) read as SGLang's own model
+    config: the architecture it serves, the GDN heads and the linear / full-attention layer split."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import ServerArgs
+
+    spec = serve.model_spec(name)
+    d = serve.write_model(spec, 8, 4096, tmp_path, full_vocab=True)
+    mc = ModelConfig.from_server_args(ServerArgs(model_path=d, tokenizer_path=serve.tokenizer_dir(d),
+                                                 load_format="dummy", context_length=4096))
+    text = mc.hf_text_config
+    assert mc.hf_config.architectures == [spec["architecture"]]
+    assert (text.linear_num_key_heads, text.linear_num_value_heads) == (
+        spec["linear_num_key_heads"], spec["linear_num_value_heads"])
+    interval = spec["full_attention_interval"]
+    assert text.full_attention_layer_ids == [i for i in range(8) if (i + 1) % interval == 0]
+    assert text.linear_layer_ids == [i for i in range(8) if (i + 1) % interval]
