@@ -103,8 +103,10 @@ def resolve_steps(specs: list[tuple[str, str, str, dict]], log: logging.Logger =
 
 
 def run_warmup(steps: list[tuple[str, Callable]], *, desc: str = "qla-serving: compiling GDN kernels",
-               log: logging.Logger = logger) -> int:
-    """Run ``steps`` under a progress bar; returns how many failed (each logged).
+               log: logging.Logger = logger, device: torch.device | str | None = None) -> int:
+    """Run ``steps`` under a progress bar, without autograd; returns how many failed (each logged).
+    With a CUDA ``device`` (steps that launch there: :func:`device_call_steps`), the device is
+    synchronised after them, so their launches are done before the engine goes on.
 
     Raises:
         KernelUnavailable: a step failed and ``QLA_STRICT=1``.
@@ -121,7 +123,8 @@ def run_warmup(steps: list[tuple[str, Callable]], *, desc: str = "qla-serving: c
         if bar is not None:
             bar.set_postfix_str(label)
         try:
-            fn()
+            with torch.no_grad():
+                fn()
         except Exception as e:
             if backend.strict_mode():
                 raise backend.KernelUnavailable(f"qla-serving: start-up compile of {label} failed: {e}") from e
@@ -132,6 +135,8 @@ def run_warmup(steps: list[tuple[str, Callable]], *, desc: str = "qla-serving: c
             bar.update(1)
     if bar is not None:
         bar.close()
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
     after = kernel_counts()
     log.info("qla-serving: %d of %d warm-up steps done in %.1f s: %d kernels from precompiled libraries, "
              "%d compiled with TileLang", len(steps) - failed, len(steps), time.perf_counter() - start,

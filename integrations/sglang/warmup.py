@@ -79,14 +79,9 @@ def warmup_kernels(device: torch.device | str | None = None, **config) -> int:
             logger.warning("qla-serving: no GDN layer found to read head counts from; kernels compile on first use")
         return 0
     steps = resolve_steps(specs, logger)
-    cuda = device is not None and torch.device(device).type == "cuda"
-    if cuda:
+    if device is not None and torch.device(device).type == "cuda":
         steps += device_call_steps(warmup_config(**config), device)
-    with torch.no_grad():
-        failed = run_warmup(steps, log=logger)
-    if cuda:
-        torch.cuda.synchronize(device)
-    return len(steps) - failed
+    return len(steps) - run_warmup(steps, log=logger, device=device)
 
 
 __all__ = ["warmup_config", "warmup_kernels", "warmup_specs"]

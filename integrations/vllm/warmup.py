@@ -100,7 +100,5 @@ def warm_up_layer(layer, sample: torch.Tensor) -> None:
         return
     _done.add(cfg)
     label = f"H={cfg.num_qk_heads} HV={cfg.num_v_heads} {str(cfg.dtype).replace('torch.', '')}"
-    steps = warmup_steps(cfg, layer.A_log, layer.dt_bias)
-    with torch.no_grad():
-        run_warmup(steps, desc=f"qla-serving: compiling GDN kernels ({label})", log=logger)
-    torch.cuda.synchronize(sample.device)
+    run_warmup(warmup_steps(cfg, layer.A_log, layer.dt_bias), desc=f"qla-serving: compiling GDN kernels ({label})",
+               log=logger, device=sample.device)
