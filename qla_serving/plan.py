@@ -67,12 +67,6 @@ class PrefillPlan:
     # The sizes below are read by every layer's op and kernel call: computed once per plan (the
     # tables are not changed after planning), not once per layer.
     @functools.cached_property
-    def seq_ids(self) -> torch.Tensor:
-        """``[N]`` int32 on the device, ``0 .. N - 1``: the start-state rows of a context-parallel
-        batch, whose kernel reads start states from a snapshot of the sequences' slots."""
-        return torch.arange(self.num_seqs, dtype=torch.int32, device=self.cu_seqlens.device)
-
-    @functools.cached_property
     def num_seqs(self) -> int:
         return self.cu_seqlens_cpu.numel() - 1
 
@@ -99,6 +93,13 @@ class PrefillPlan:
     @functools.cached_property
     def max_seqlen(self) -> int:
         return max(self._seq_lens, default=0)
+
+    @functools.cached_property
+    def seq_ids(self) -> torch.Tensor:
+        """``[N]`` int32 on the device, ``0 .. N - 1``: the start-state rows of a context-parallel
+        batch, whose kernel reads start states from a snapshot of the sequences' slots
+        (:func:`plan_prefill` copies it with the other tables when it plans context parallelism)."""
+        return torch.arange(self.num_seqs, dtype=torch.int32, device=self.cu_seqlens.device)
 
     @property
     def device(self) -> torch.device:
@@ -183,8 +184,10 @@ def plan_prefill(
             cp = plan_context_parallel(lens_list, num_v_heads, sm_count, segment_tokens=cp_segment_tokens)
     work_items = _work_items(lens_list, chunks_list, cp, chunk_size)
 
-    tables = _to_device(
-        [cu.to(torch.int32), chunk_offsets, chunk_indices, chunk_bounds, ckpt_offsets, work_items], device)
+    host = [cu.to(torch.int32), chunk_offsets, chunk_indices, chunk_bounds, ckpt_offsets, work_items]
+    if cp is not None:
+        host.append(torch.arange(len(lens_list), dtype=torch.int32))  # seq_ids
+    tables = _to_device(host, device)
     plan = PrefillPlan(
         cu_seqlens_cpu=cu,
         cu_seqlens=tables[0],
@@ -206,6 +209,8 @@ def plan_prefill(
     plan.num_chunks = chunk_offsets_list[-1]
     plan.num_checkpoints = ckpt_offsets_list[-1]
     plan._seq_lens = tuple(lens_list)
+    if cp is not None:
+        plan.seq_ids = tables[6]
     return plan
 
 

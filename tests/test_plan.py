@@ -58,6 +58,8 @@ def test_work_items_without_and_with_context_parallelism():
     assert [r[2] for r in long_items] == list(range(0, 512, seg))
     assert all(r[1] == max(r[2] - 4, 0) for r in long_items)
     assert [r[3] for r in long_items] == [r[2] for r in long_items[1:]] + [512]
+    # the start-state rows of a split batch are planned with the other tables, not made per call
+    assert "seq_ids" in vars(plan) and plan.seq_ids.tolist() == [0, 1] and plan.seq_ids.dtype == torch.int32
     # the override: 0 turns it off, a length forces it
     assert plan_prefill([0, 32768], num_v_heads=8, sm_count=132, cp_segment_tokens=0).context_parallel is None
     forced = plan_prefill([0, 8192], num_v_heads=64, sm_count=132, cp_segment_tokens=2048)
