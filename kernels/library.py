@@ -79,7 +79,7 @@ def _code_text(source: str) -> str:
     lines = source.splitlines()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
-            (row, col), _ = tok.start, tok.end
+            row, col = tok.start
             lines[row - 1] = lines[row - 1][:col]
     return "\n".join(line.rstrip() for line in lines if line.strip())
 
