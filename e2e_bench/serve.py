@@ -440,6 +440,11 @@ class Server:
 ALLREDUCE_FUSION = ("trtllm", "off")
 
 
+def add_allreduce_fusion_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allreduce-fusion", choices=ALLREDUCE_FUSION, default="trtllm",
+                   help="vLLM at TP > 1: its all-reduce + RMSNorm fusion on FlashInfer's trtllm backend, or off")
+
+
 def allreduce_fusion_args(engine: str, tp: int, mode: str) -> list[str]:
     """Server arguments for ``--allreduce-fusion mode`` (none where the pass does not run)."""
     if engine != "vllm" or tp == 1 or mode == "trtllm":
@@ -782,8 +787,7 @@ def parse_args(argv):
     p.add_argument("--start-timeout", type=float, default=480)
     p.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: none); points past it are left out")
     p.add_argument("--server-arg", action="append", default=[], help="one more server argument (repeatable)")
-    p.add_argument("--allreduce-fusion", choices=ALLREDUCE_FUSION, default="trtllm",
-                   help="vLLM at TP > 1: its all-reduce + RMSNorm fusion on FlashInfer's trtllm backend, or off")
+    add_allreduce_fusion_argument(p)
     p.add_argument("--profile", default="", metavar="WORKLOAD:CONC",
                    help="vLLM: run this point once more under the engine's torch profiler (a window of "
                         "--profile-steps steps after --profile-delay) and summarise the trace (e2e_bench/trace_summary.py)")

@@ -644,8 +644,7 @@ def parse_args(argv):
     p.add_argument("--model", default="qwen3-next-80b-a3b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--allreduce-fusion", choices=serve.ALLREDUCE_FUSION, default="trtllm",
-                   help="vLLM at TP > 1: its all-reduce + RMSNorm fusion on FlashInfer's trtllm backend, or off")
+    serve.add_allreduce_fusion_argument(p)
     p.add_argument("--backends", nargs="+", choices=serve.BACKENDS, default=["flashqla", "default"])
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--requests", type=int, default=2000, help="load: requests")
