@@ -121,7 +121,9 @@ def hf_config(spec: dict, num_layers: int, max_len: int) -> dict:
                 rope_parameters={**rope, "mrope_section": [11, 11, 10], "mrope_interleaved": True})
     if spec.get("state_dtype"):
         text["mamba_ssm_dtype"] = spec["state_dtype"]
-    vision = {"model_type": f"{spec['model_type']}_vision", "depth": 1, "hidden_size": 64, "num_heads": 2,
+    # vLLM builds the vision tower even with --language-model-only and splits its heads over the
+    # TP ranks: 16 heads (the released count) of 64 divide by every TP size up to 16.
+    vision = {"model_type": f"{spec['model_type']}_vision", "depth": 1, "hidden_size": 1024, "num_heads": 16,
               "intermediate_size": 128, "out_hidden_size": spec["hidden_size"], "patch_size": 16,
               "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
     return {"architectures": [spec["architecture"]], "model_type": spec["model_type"],

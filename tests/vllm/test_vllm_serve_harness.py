@@ -74,6 +74,22 @@ def test_tp_command_disables_custom_all_reduce(registered, setup):
     assert args.tensor_parallel_size == 4 and args.disable_custom_all_reduce
 
 
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_vision_heads_divide_over_tp_ranks(registered, setup, tp):
+    """vLLM builds the vision tower even with --language-model-only and splits its attention heads
+    over the TP ranks (a 2-head tower failed TP 4 at model load): the heads of the config vLLM
+    reads divide by every TP size."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    spec, s = setup
+    if not s.multimodal:
+        pytest.skip(f"{spec['name']} has no vision tower")
+    args = _serve_parser().parse_args(serve.server_command(serve.Setup(**{**s.__dict__, "tp": tp}), "flashqla")[len(serve.VLLM_CLI) + 1:])
+    args.model = args.model_tag
+    vision = AsyncEngineArgs.from_cli_args(args).create_model_config().hf_config.vision_config
+    assert vision.num_heads % tp == 0 and vision.hidden_size % vision.num_heads == 0
+
+
 def test_allreduce_fusion_off_reaches_vllms_pass_config(registered, setup):
     """--allreduce-fusion off: the server arguments turn vLLM's all-reduce + RMSNorm fusion pass
     off at TP > 1 (parsed by `vllm serve`'s parser); nothing changes at TP 1 or for trtllm."""
