@@ -70,20 +70,21 @@ def main(argv=None) -> int:
 
     t = time.perf_counter()
     warmup.warmup_kernels(device=dev if cuda else None, phases={"prefill", "decode"}, num_qk_heads=H,
-                          num_v_heads=HV, dtype=torch.bfloat16, pool_dtype=pool_dtype)
+                          num_v_heads=HV, dtype=torch.bfloat16, pool_dtype=pool_dtype, bias_dtype=torch.bfloat16)
     if not cuda and not args.no_device_calls:  # on the CPU the device calls run on CPU tensors
         from qla_serving.warmup import device_call_steps
 
         for _, fn in device_call_steps(warmup.warmup_config(
                 phases={"prefill", "decode"}, num_qk_heads=H, num_v_heads=HV, dtype=torch.bfloat16,
-                pool_dtype=pool_dtype), dev):
+                pool_dtype=pool_dtype, bias_dtype=torch.bfloat16), dev):
             fn()
     sync()
     print(f"our warm-up: {1e3 * (time.perf_counter() - t):.1f} ms, library kernels set up: {inits}")
     kernel = make_kernel()
     kernel.num_v_heads = HV
     ssm = torch.zeros(SLOTS, HV, D, D, dtype=pool_dtype, device=dev)
-    A_log, dt_bias = torch.full((HV,), -1.0, device=dev), torch.zeros(HV, device=dev)
+    # the layers' gate parameters as SGLang creates them: A_log float32, dt_bias in the model dtype
+    A_log, dt_bias = torch.full((HV,), -1.0, device=dev), torch.zeros(HV, dtype=torch.bfloat16, device=dev)
 
     def request(tokens: int) -> list[tuple[str, float, int, list]]:
         fb, md, be = extend_batch([tokens], [1])
