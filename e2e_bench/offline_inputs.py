@@ -63,6 +63,16 @@ def write_model(directory: str | os.PathLike, **shape) -> str:
 PROMPT_ID_LIMIT = 16  # prompts use ids in [0, vocab - PROMPT_ID_LIMIT): no special ids
 
 
+def add_prompt_args(parser) -> None:
+    """The arguments of the agreement prompt set (:func:`agreement_prompts`), one definition for both
+    offline runs, so that by default they send the same prompts."""
+    parser.add_argument("--seed", type=int, default=0, help="prompts and engine (default: %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--min-len", type=int, default=17)
+    parser.add_argument("--max-len", type=int, default=3000)
+    parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default: %(default)s)")
+
+
 def agreement_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
     """``n`` prompts of random token ids with lengths spread over ``[min_len, max_len]``.
 

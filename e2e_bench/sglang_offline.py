@@ -47,7 +47,7 @@ import zlib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from agreement import agreement  # noqa: E402
-from offline_inputs import agreement_prompts, model_config  # noqa: E402
+from offline_inputs import add_prompt_args, agreement_prompts, model_config  # noqa: E402
 
 BACKENDS = ("triton", "flashinfer", "flashqla")
 REFERENCE = "triton"
@@ -344,10 +344,7 @@ def dry_run(args, model_dir: str, prompts) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default=",".join(BACKENDS), type=lambda s: [b for b in s.split(",") if b])
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--min-len", type=int, default=17)
-    p.add_argument("--max-len", type=int, default=3000)
-    p.add_argument("--max-tokens", type=int, default=32)
+    add_prompt_args(p)
     p.add_argument(
         "--prefix-caching",
         choices=("on", "off"),
@@ -357,7 +354,6 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graph", action="store_true", help="capture CUDA graphs (off: shorter start-up)")
     p.add_argument("--context-length", type=int, default=4096)
     p.add_argument("--mem-fraction", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=300, help="seconds per engine run")
     p.add_argument("--out-dir", default="e2e_bench/results")
     p.add_argument("--work-dir", default="/tmp/qla-sglang-offline")

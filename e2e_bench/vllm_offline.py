@@ -54,7 +54,7 @@ import time
 # run as a script (and as its own worker processes): its folder's modules are importable by name
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from agreement import agreement  # noqa: E402
-from offline_inputs import agreement_prompts, model_config, throughput_prompts, write_model  # noqa: E402
+from offline_inputs import add_prompt_args, agreement_prompts, model_config, throughput_prompts, write_model  # noqa: E402
 from waves import run_waves, signal_ready, wait_for_go  # noqa: E402
 
 BACKENDS = ("triton", "flashinfer", "flashqla")
@@ -433,11 +433,7 @@ def parse_args(argv):
     p.add_argument("--reuse", action="store_true", help="skip runs whose raw result in --work-dir is ok")
     p.add_argument("--aggregate-only", action="store_true", help="run nothing; aggregate the raw results")
     p.add_argument("--dry-run", action="store_true", help="no GPU: config check, prompts, synthetic aggregation")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--min-len", type=int, default=17)
-    p.add_argument("--max-len", type=int, default=3000)
-    p.add_argument("--max-tokens", type=int, default=32)
+    add_prompt_args(p)
     p.add_argument("--tp-prompts", type=int, default=16)
     p.add_argument("--tp-len", type=int, default=8192)
     p.add_argument("--layers", type=int, default=8)
