@@ -31,14 +31,21 @@ def _cp(lengths, seg=256, warm=128):
     return plan_context_parallel(lengths, 4, 132, segment_tokens=seg, warmup_tokens=warm, min_cp_tokens=512)
 
 
-@pytest.mark.parametrize("lengths", [[1000], [1000, 300, 5], [64 * 9, 777]])
-@pytest.mark.parametrize("gates", ["qwen", "adversarial"])
-def test_exact_mode_is_the_recurrence(lengths, gates):
+def _cp_and_oracle(lengths, gates, mode):
+    """The AutoCP reference in ``mode`` (float64) and the token-by-token oracle on the same inputs:
+    ``(o, state, used), (o_oracle, state_oracle)``."""
     q, k, v, g, beta, h0 = _inputs(lengths, gates=gates)
     cu = cu_of(lengths)
     o_r, s_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True)
-    o, s, used = chunk_gated_delta_rule_cp_ref(q, k, v, g, beta, _cp(lengths), initial_state=h0, cu_seqlens=cu,
-                                               use_qk_l2norm=True, mode="exact", dtype=torch.float64)
+    cp = chunk_gated_delta_rule_cp_ref(q, k, v, g, beta, _cp(lengths), initial_state=h0, cu_seqlens=cu,
+                                       use_qk_l2norm=True, mode=mode, dtype=torch.float64)
+    return cp, (o_r, s_r)
+
+
+@pytest.mark.parametrize("lengths", [[1000], [1000, 300, 5], [64 * 9, 777]])
+@pytest.mark.parametrize("gates", ["qwen", "adversarial"])
+def test_exact_mode_is_the_recurrence(lengths, gates):
+    (o, s, used), (o_r, s_r) = _cp_and_oracle(lengths, gates, "exact")
     assert rel_err(o, o_r) <= 1e-10 and rel_err(s, s_r) <= 1e-10
     assert not any(u.any() for u in used)
 
@@ -46,11 +53,7 @@ def test_exact_mode_is_the_recurrence(lengths, gates):
 @pytest.mark.parametrize("lengths", [[1000], [1000, 300, 5]])
 @pytest.mark.parametrize("gates", ["qwen", "adversarial"])
 def test_auto_mode_stays_under_the_decay_bound(lengths, gates):
-    q, k, v, g, beta, h0 = _inputs(lengths, gates=gates)
-    cu = cu_of(lengths)
-    o_r, s_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True)
-    o, s, used = chunk_gated_delta_rule_cp_ref(q, k, v, g, beta, _cp(lengths), initial_state=h0, cu_seqlens=cu,
-                                               use_qk_l2norm=True, mode="auto", dtype=torch.float64)
+    (o, s, used), (o_r, s_r) = _cp_and_oracle(lengths, gates, "auto")
     # The truncated history is scaled by at most exp(threshold) = 2^-16 (module docstring).
     bound = math.exp(LOG_DECAY_THRESHOLD)
     assert rel_err(o, o_r) <= 16 * bound and rel_err(s, s_r) <= 16 * bound
@@ -61,11 +64,7 @@ def test_auto_mode_stays_under_the_decay_bound(lengths, gates):
 
 def test_forced_warmup_on_slow_heads_is_wrong():
     """The per-head decision matters: warm-starting a non-decaying head breaks the result."""
-    lengths = [1000]
-    q, k, v, g, beta, h0 = _inputs(lengths, gates="adversarial")
-    o_r, _, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True)
-    o, _, _ = chunk_gated_delta_rule_cp_ref(q, k, v, g, beta, _cp(lengths), initial_state=h0, use_qk_l2norm=True,
-                                            mode="warmup", dtype=torch.float64)
+    (o, _, _), (o_r, _) = _cp_and_oracle([1000], "adversarial", "warmup")
     assert rel_err(o[:, 0], o_r[:, 0]) > 1e-3
 
 
