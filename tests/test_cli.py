@@ -46,6 +46,7 @@ def _one_line_usage_error(capsys, argv, message):
 @pytest.mark.parametrize("argv,message", [
     (["check", "--heads", "16/0"], "HV must be a positive multiple of H"),
     (["check", "--lengths", "1,x"], "expected positive integers"),
+    (["check", "--lengths", "1+x"], "expected positive integers"),  # the table's form, mistyped
     (["check", "--lengths", "1,0,5"], "at least one token"),
     (["check", "--device", "tpu"], "expected cpu or cuda"),
     (["compile", "--heads", "2/8", "--jobs", "0"], "--jobs: 0: must be >= 1"),
