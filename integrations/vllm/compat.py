@@ -1,20 +1,33 @@
-"""Which vLLM versions the plugin supports, and a start-up check of the seams it uses.
+"""Which vLLM versions the plugin supports, a start-up check of the seams it uses, and the
+hook that runs the plugin's registrations where vLLM imports the modules they replace.
 
 The plugin hooks vLLM through registration seams (``PluggableLayer.register_oot``,
 ``CustomOp.register_oot``, a layer's ``get_attn_backend``) and one unavoidable patch (the CLI
-parser, see :mod:`.args`). Every name it touches is checked here once, at start-up, so an
-incompatible vLLM fails with one clear message instead of an AttributeError mid-serving.
+parser, see :mod:`.args`). Every name it touches is checked once per process, where its module
+is imported, so an incompatible vLLM fails with one clear message instead of an AttributeError
+mid-serving.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.metadata
+import sys
+import threading
+from collections.abc import Callable
 
 # Read against the source of every release in this range (docs/vllm.md lists the differences).
 MIN_VLLM = (0, 26)
 MAX_VLLM_EXCLUSIVE = (0, 33)
 TESTED_VLLM = "0.26.0"
+
+# vLLM's GDN layer module and its model-loader registry: imported by the processes that build
+# the model, not by the API server, so the plugin registers its classes when they are imported.
+GDN_LAYER_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+GDN_BACKEND_MODULE = "vllm.v1.attention.backends.gdn_attn"
+MODEL_LOADER_MODULE = "vllm.model_executor.model_loader"
+ARG_MODULE = "vllm.engine.arg_utils"
 
 # (module, attribute path) pairs the plugin relies on; all exist from 0.26.0 to 0.32.0.
 REQUIRED_SEAMS: tuple[tuple[str, str], ...] = (
@@ -77,10 +90,13 @@ def _resolve(module: str, path: str):
     return obj
 
 
-def missing_seams() -> list[str]:
-    """The ``module:attribute`` names of :data:`REQUIRED_SEAMS` the installed vLLM lacks."""
+def missing_seams(modules: tuple[str, ...] | None = None) -> list[str]:
+    """The ``module:attribute`` names of :data:`REQUIRED_SEAMS` (those in ``modules``, default
+    all) the installed vLLM lacks."""
     missing = []
     for module, path in REQUIRED_SEAMS:
+        if modules is not None and module not in modules:
+            continue
         try:
             _resolve(module, path)
         except (ImportError, AttributeError):
@@ -88,15 +104,16 @@ def missing_seams() -> list[str]:
     return missing
 
 
-def check_vllm() -> str:
-    """Check the installed vLLM once at start-up; returns its version.
+def check_vllm(modules: tuple[str, ...] | None = None) -> str:
+    """Check the installed vLLM's seams in ``modules`` (default: all of them, importing each);
+    returns its version.
 
     Raises:
         VllmIncompatible: a seam is missing. A version outside the tested range whose seams
             all exist only logs a warning (the caller's job): the seams are what matter.
     """
     version = installed_vllm_version()
-    missing = missing_seams()
+    missing = missing_seams(modules)
     if missing:
         raise VllmIncompatible(
             f"qla-serving's vLLM plugin supports vLLM {supported_range_text()}; the installed vLLM "
@@ -104,3 +121,58 @@ def check_vllm() -> str:
             f"(pip install 'qla-serving[vllm]') or uninstall qla-serving to run vLLM without it."
         )
     return version
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` entry that runs callbacks right after named modules are executed.
+
+    It finds nothing itself: for a watched name it asks the other finders for the spec and wraps
+    that spec's loader's ``exec_module`` (the loader instance is the module's own; its type and
+    its other methods, ``get_source`` included, stay as they are)."""
+
+    def __init__(self) -> None:
+        self.callbacks: dict[str, list[Callable]] = {}
+
+    def find_spec(self, name, path, target=None):
+        callbacks = self.callbacks.pop(name, None)
+        if callbacks is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            self.callbacks[name] = callbacks  # a namespace package: nothing to run after
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            for callback in callbacks:
+                callback(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_after_import = _AfterImport()
+_after_import_lock = threading.Lock()
+
+
+def after_import(module: str, callback: Callable) -> None:
+    """Run ``callback(module object)`` once ``module`` is imported in this process: now if it is
+    already, else right after vLLM (or anyone) imports it. An exception from the callback is the
+    import's exception."""
+    with _after_import_lock:
+        loaded = sys.modules.get(module)
+        if loaded is None:
+            _after_import.callbacks.setdefault(module, []).append(callback)
+            if _after_import not in sys.meta_path:
+                sys.meta_path.insert(0, _after_import)
+            return
+    callback(loaded)

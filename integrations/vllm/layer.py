@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import sys
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -402,3 +403,30 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         # Padded rows carry NULL_BLOCK_ID slots: their (unwritten) states land in vLLM's null block.
         ssm_state.index_copy_(0, slots.reshape(-1).long(), states.view(rows * T, HV, V, K))
         return o.view(rows * T, HV, V)
+
+
+def register_layers() -> None:
+    """Check vLLM's layer and backend seams, then register :class:`QlaGatedDeltaNetAttention`
+    and :class:`QlaChunkGatedDeltaRule` as vLLM's out-of-tree replacements (idempotent)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from . import compat
+
+    compat.check_vllm((compat.GDN_LAYER_MODULE, compat.GDN_BACKEND_MODULE, "vllm.model_executor.custom_op"))
+    # vLLM looks an out-of-tree replacement up by the replaced class's __name__.
+    for base, ours in ((QwenGatedDeltaNetAttention, QlaGatedDeltaNetAttention),
+                       (ChunkGatedDeltaRule, QlaChunkGatedDeltaRule)):
+        current = op_registry_oot.get(base.__name__)
+        if current is None:
+            base.register_oot(ours)
+            ours.name = base.name  # register_oot renames it; keep vLLM's op name in its records
+        elif current is not ours:
+            raise RuntimeError(
+                f"qla-serving: another plugin already replaces vLLM's {base.__name__} with "
+                f"{current.__module__}.{current.__qualname__}; two replacements cannot both run"
+            )
+
+
+# The plugin was registered and vLLM's GDN module imported while this module was importing it.
+if sys.modules[__package__].layers_wanted:
+    register_layers()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -54,6 +57,37 @@ def test_entry_point_is_installed_and_vllm_loads_it():
 
     assert op_registry_oot["QwenGatedDeltaNetAttention"] is QlaGatedDeltaNetAttention
     assert op_registry_oot["ChunkGatedDeltaRule"] is QlaChunkGatedDeltaRule
+
+
+@pytest.mark.parametrize("first", ["vllm", "ours"])
+def test_register_leaves_model_code_unimported_until_vllm_imports_it(first):
+    """vLLM calls register() in every process, the API server's included, which never builds the
+    model: register() imports neither vLLM's GDN layer module nor its model-loader registry (seconds
+    of imports at every server start). Once either is imported (by vLLM's model code, or through our
+    layer module first), our classes and the benchmark load format are registered."""
+    imports = {
+        "vllm": "import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
+        "ours": "import qla_serving.integrations.vllm.layer",
+    }[first]
+    code = textwrap.dedent(f"""
+        import sys
+        from qla_serving.integrations.vllm import register
+        register()
+        heavy = ["vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
+                 "vllm.model_executor.model_loader", "qla_serving.integrations.vllm.layer"]
+        print("after register:", [m for m in heavy if m in sys.modules])
+        {imports}
+        from vllm.model_executor.custom_op import op_registry_oot
+        from qla_serving.integrations.vllm.layer import QlaChunkGatedDeltaRule, QlaGatedDeltaNetAttention
+        assert op_registry_oot["QwenGatedDeltaNetAttention"] is QlaGatedDeltaNetAttention
+        assert op_registry_oot["ChunkGatedDeltaRule"] is QlaChunkGatedDeltaRule
+        from vllm.model_executor import model_loader
+        assert "qla_dummy" in model_loader._LOAD_FORMAT_TO_MODEL_LOADER
+        print("registered")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "after register: []" in r.stdout and "registered" in r.stdout, r.stdout
 
 
 def test_seams_present_in_installed_vllm():
