@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ...constants import CHUNK_SIZE, L2NORM_EPS, LOG_DECAY_THRESHOLD
+from ...constants import CHUNK_SIZE, L2NORM_EPS, LOG_DECAY_THRESHOLD, SOFTPLUS_THRESHOLD
 
 if TYPE_CHECKING:  # the plan's type only: the planner is the layer above the references
     from ...plan import ContextParallelPlan
@@ -47,7 +47,7 @@ def gdn_gate_ref(
         engines' ``fused_gdn_gating`` does.
     """
     x = a.to(dtype) + dt_bias.to(dtype)
-    g = -torch.exp(A_log.to(dtype)) * F.softplus(x, beta=1.0, threshold=20.0)
+    g = -torch.exp(A_log.to(dtype)) * F.softplus(x, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
     return g, torch.sigmoid(b.to(dtype))
 
 
