@@ -34,6 +34,11 @@ from . import serve
 CACHES = ("~/.cache/vllm/torch_compile_cache", "~/.triton/cache", "~/.cache/flashinfer", "~/.cache/tvm-ffi")
 LIBRARY_LINE = re.compile(r"warm-up steps done in [\d.]+ s: (\d+) kernels from precompiled libraries, (\d+) compiled with TileLang")
 TILELANG_COMPILE_LINE = re.compile(r"TileLang begins to compile kernel")
+# The servers' first timestamped log line: vLLM "INFO 11-26 21:59:23 [...]", SGLang "[2026-11-26 19:14:41] ..."
+VLLM_STAMP = re.compile(r"(?:INFO|WARNING|ERROR|DEBUG) (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) \[")
+SGLANG_STAMP = re.compile(r"^\[(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)\]", re.M)
+# vLLM's own engine initialisation (profiling run, KV cache, CUDA graphs)
+VLLM_ENGINE_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 
 
 def empty_caches(tilelang_cache: pathlib.Path) -> list[str]:
@@ -55,6 +60,25 @@ def count_compiles(log_text: str) -> dict:
             "tilelang_compile_lines": len(TILELANG_COMPILE_LINE.findall(log_text))}
 
 
+def startup_parts(log_text: str, launched: float) -> dict:
+    """Where a start-up went, from the server's log: ``first_log_s``, seconds from the launch
+    (``launched``, wall-clock epoch) to the first timestamped line (process start, imports and the
+    plugins' registration; the stamps have whole seconds), and ``engine_init_s``, vLLM's own
+    engine initialisation (None for SGLang, which logs no such total)."""
+    start = _dt.datetime.fromtimestamp(launched)
+    stamps = []
+    m = VLLM_STAMP.search(log_text)
+    if m:  # vLLM's stamps have no year: the launch's
+        stamps.append((m.start(), _dt.datetime(start.year, *map(int, m.groups()))))
+    m = SGLANG_STAMP.search(log_text)
+    if m:
+        stamps.append((m.start(), _dt.datetime(*map(int, m.groups()))))
+    first = min(stamps)[1] if stamps else None
+    init = VLLM_ENGINE_INIT.search(log_text)
+    return {"first_log_s": None if first is None else round(max((first - start).total_seconds(), 0.0), 1),
+            "engine_init_s": float(init.group(1)) if init else None}
+
+
 def timed_request(s: serve.Setup, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
     t0 = time.perf_counter()
     out = serve.greedy_tokens(s, [prompt], max_tokens)
@@ -72,8 +96,10 @@ def run_one(s: serve.Setup, backend: str, run: str, work: pathlib.Path, prompt: 
     serve.log(f"start {backend} ({run}): {' '.join(server.cmd)}")
     row = {"backend": backend, "run": run, "caches_emptied": removed}
     try:
+        launched = time.time()
         ok = server.start(timeout)
         row["startup_s"] = round(time.monotonic() - server.started, 1)
+        row.update(startup_parts(server.log_text(), launched))
         if not ok:
             row["error"] = "server did not start"
             serve.log(f"FAILED start {backend} ({run}); log tail:\n{serve.tail(log_path)}")
@@ -150,12 +176,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines += [f"- {engine}: {n}" for n in m.get("notes", [])]
     lines += [f"- `pip check` on the CPU, fresh venv with {c['install']}: {c['result']} ({c['versions']})"
               for c in meta.get("pip_check", [])]
-    lines += ["", "| engine | backend | run | start-up s | first request s | same request, warm s | first / warm | "
-              "library kernels | qla TileLang compiles | TileLang compile lines |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| engine | backend | run | start-up s | first log line s | engine init s | first request s | "
+              "same request, warm s | first / warm | library kernels | qla TileLang compiles | TileLang compile lines |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["backend"] + (f" ({r['resolved']})" if r.get("resolved") else "")
         lines.append(f"| {r.get('engine', next(iter(engines)))} | {name} | {r['run']} | {r.get('startup_s')} | "
+                     f"{r.get('first_log_s', '-')} | {r.get('engine_init_s', '-')} | "
                      f"{r.get('first_request_s', r.get('error'))} | {r.get('warm_request_s')} | "
                      f"{r.get('first_over_warm')} | {r.get('library_kernels')} | "
                      f"{r.get('qla_tilelang_compiles')} | {r.get('tilelang_compile_lines')} |")

@@ -1,6 +1,7 @@
 """The install proof's bookkeeping (e2e_bench/install.py): compile counts read from the servers'
 logs, and one results file holding several engines' rows (no server is started here)."""
 
+import datetime
 import json
 import pathlib
 
@@ -17,6 +18,22 @@ def test_compile_counts_from_the_warm_up_line_and_tilelang_log():
            "(EngineCore pid=1) INFO [warmup.py:135] qla-serving: 4 of 4 warm-up steps done in 0.0 s: 4 kernels from "
            "precompiled libraries, 0 compiled with TileLang\n")
     assert install.count_compiles(log) == {"library_kernels": 4, "qla_tilelang_compiles": 4, "tilelang_compile_lines": 1}
+
+
+def test_startup_parts_from_each_engines_log_stamps():
+    """Launch -> first timestamped line, and vLLM's own engine-init total; the earliest stamp wins
+    whichever engine's format it has, and a log with neither stamp gives None."""
+    launched = datetime.datetime(2026, 11, 26, 21, 58, 50).timestamp()
+    vllm_log = ("/tmp/x/warnings.py:1: UserWarning: no stamp here\n"
+                "INFO 11-26 21:59:23 [__init__.py:112] Registered model loader `qla_dummy`\n"
+                "(EngineCore pid=1539) INFO 11-26 22:00:30 [core.py:340] init engine (profile, create kv cache, "
+                "warmup model) took 32.59 s (compilation: 2.30 s)\n")
+    assert install.startup_parts(vllm_log, launched) == {"first_log_s": 33.0, "engine_init_s": 32.59}
+    sglang_log = ("launch_server.py:56: UserWarning: 'sglang serve' is the recommended entrypoint\n"
+                  "[2026-11-26 21:59:13] server_args=ServerArgs(...)\n"
+                  "[2026-11-26 21:59:40] INFO 11-26 21:59:40 [x.py:1] a vLLM-style line later on\n")
+    assert install.startup_parts(sglang_log, launched) == {"first_log_s": 23.0, "engine_init_s": None}
+    assert install.startup_parts("no stamps at all\n", launched) == {"first_log_s": None, "engine_init_s": None}
 
 
 def _meta(engine, versions, notes=()):
