@@ -18,6 +18,7 @@ import functools
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .constants import CHUNK_SIZE
@@ -157,20 +158,25 @@ def plan_prefill(
     if checkpoint_every is not None and (checkpoint_every <= 0 or checkpoint_every % chunk_size):
         raise ValueError(f"checkpoint_every={checkpoint_every} must be a positive multiple of {chunk_size}")
 
-    chunks_list = [-(-L // chunk_size) for L in lens_list]
-    # Small per-sequence tables in Python (a sequence at a time), the per-chunk ones in torch.
-    chunk_offsets_list, ckpt_offsets_list = [0], [0]
-    for L, n in zip(lens_list, chunks_list):
-        chunk_offsets_list.append(chunk_offsets_list[-1] + n)
-        ckpt_offsets_list.append(ckpt_offsets_list[-1] + (L // checkpoint_every if checkpoint_every else 0))
-    chunk_offsets = torch.tensor(chunk_offsets_list, dtype=torch.int32)
-    ckpt_offsets = torch.tensor(ckpt_offsets_list, dtype=torch.int32)
-    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens_list), dtype=torch.int32),
-                                           torch.tensor(chunks_list, dtype=torch.int64))
-    seq_long = seq_of_chunk.long()
-    chunk_in_seq = torch.arange(seq_of_chunk.numel(), dtype=torch.int32) - chunk_offsets[seq_long]
-    chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1)
-    chunk_bounds = torch.stack([cu[seq_long] + chunk_in_seq * chunk_size, cu[seq_long + 1]], dim=1).to(torch.int32)
+    # The tables in numpy (a few microseconds each; a torch op on small CPU tensors costs several),
+    # handed to torch as views of the same memory.
+    cu_np = np.asarray(cu_list, dtype=np.int64)
+    lens_np = np.diff(cu_np)
+    chunks_np = -(-lens_np // chunk_size)
+    chunk_offsets_np = np.zeros(len(lens_list) + 1, dtype=np.int64)
+    np.cumsum(chunks_np, out=chunk_offsets_np[1:])
+    ckpt_offsets_np = np.zeros(len(lens_list) + 1, dtype=np.int64)
+    if checkpoint_every:
+        np.cumsum(lens_np // checkpoint_every, out=ckpt_offsets_np[1:])
+    seq_of_chunk = np.repeat(np.arange(len(lens_list), dtype=np.int64), chunks_np)
+    chunk_in_seq = np.arange(seq_of_chunk.shape[0], dtype=np.int64) - chunk_offsets_np[seq_of_chunk]
+    chunk_indices = torch.from_numpy(np.stack([seq_of_chunk, chunk_in_seq], axis=1).astype(np.int32))
+    chunk_bounds = torch.from_numpy(
+        np.stack([cu_np[seq_of_chunk] + chunk_in_seq * chunk_size, cu_np[seq_of_chunk + 1]], axis=1).astype(np.int32))
+    chunk_offsets = torch.from_numpy(chunk_offsets_np.astype(np.int32))
+    ckpt_offsets = torch.from_numpy(ckpt_offsets_np.astype(np.int32))
+    chunks_list = chunks_np.tolist()
+    num_chunks, num_checkpoints = int(chunk_offsets_np[-1]), int(ckpt_offsets_np[-1])
 
     device = torch.device(device) if device is not None else torch.device("cpu")
 
@@ -184,9 +190,10 @@ def plan_prefill(
             cp = plan_context_parallel(lens_list, num_v_heads, sm_count, segment_tokens=cp_segment_tokens)
     work_items = _work_items(lens_list, chunks_list, cp, chunk_size)
 
-    host = [cu.to(torch.int32), chunk_offsets, chunk_indices, chunk_bounds, ckpt_offsets, work_items]
+    host = [torch.from_numpy(cu_np.astype(np.int32)), chunk_offsets, chunk_indices, chunk_bounds, ckpt_offsets,
+            work_items]
     if cp is not None:
-        host.append(torch.arange(len(lens_list), dtype=torch.int32))  # seq_ids
+        host.append(torch.from_numpy(np.arange(len(lens_list), dtype=np.int32)))  # seq_ids
     tables = _to_device(host, device)
     plan = PrefillPlan(
         cu_seqlens_cpu=cu,
@@ -206,8 +213,8 @@ def plan_prefill(
     # what the host already knows (the cached properties would read it back from the tensors)
     plan.num_seqs = len(lens_list)
     plan.total_tokens = cu_list[-1]
-    plan.num_chunks = chunk_offsets_list[-1]
-    plan.num_checkpoints = ckpt_offsets_list[-1]
+    plan.num_chunks = num_chunks
+    plan.num_checkpoints = num_checkpoints
     plan._seq_lens = tuple(lens_list)
     if cp is not None:
         plan.seq_ids = tables[6]
@@ -267,7 +274,7 @@ def _work_items(lens: list[int], chunks: list[int], cp: ContextParallelPlan | No
             ends = starts[1:] + [n]
             for s, e in zip(starts, ends):
                 rows.append((i, max(s - warm, 0), s, e))
-    return torch.tensor(rows, dtype=torch.int32).view(-1, 4)
+    return torch.from_numpy(np.array(rows, dtype=np.int32).reshape(-1, 4))
 
 
 @functools.lru_cache(maxsize=None)
