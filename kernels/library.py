@@ -129,7 +129,10 @@ class LibraryKernel:
         if len(params) != self._num_args + len(self._dynamic):
             raise ValueError(f"{source}: {self.symbol}: {len(params)} C parameters for {self._num_args} "
                              f"arguments and {len(self._dynamic)} shape variables")
-        self._ptr = [t == "ptr" for t, _ in params[: self._num_args]]
+        self._ptr = tuple(t == "ptr" for t, _ in params[: self._num_args])
+        if True not in self._ptr:
+            raise ValueError(f"{source}: {self.symbol}: no tensor parameter to take the device from")
+        self._first_ptr = self._ptr.index(True)
         self._call = getattr(lib, f"{self.symbol}_call")
         self._call.restype = ctypes.c_int
         self._call.argtypes = [ctypes.c_void_p if t == "ptr" else _SCALAR_CTYPES[t] for t, _ in params] + [
@@ -155,17 +158,9 @@ class LibraryKernel:
     def __call__(self, *args) -> None:
         if len(args) != self._num_args:
             raise TypeError(f"{self.symbol}: {len(args)} arguments, the kernel takes {self._num_args}")
-        device = None
-        c_args = []
-        for is_ptr, a in zip(self._ptr, args):
-            if is_ptr:
-                if device is None:
-                    device = a.device.index
-                c_args.append(a.data_ptr())
-            else:
-                c_args.append(a)
-        for i, d in self._dynamic:
-            c_args.append(args[i].shape[d])
+        device = args[self._first_ptr].device.index
+        c_args = [a.data_ptr() if is_ptr else a for is_ptr, a in zip(self._ptr, args)]
+        c_args += [args[i].shape[d] for i, d in self._dynamic]
         if device not in self._ready:
             self._ensure_init(device)
         c_args.append(_current_stream(device))
