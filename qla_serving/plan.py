@@ -147,7 +147,7 @@ def plan_prefill(
     if cu.dtype.is_floating_point or cu.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got {cu.dtype}")
     cu = cu.to(torch.int64)
-    cu_list = cu.tolist()  # planning works on host lists; torch only for the per-chunk tables
+    cu_list = cu.tolist()  # the checks and the per-sequence planning on host lists, the tables in numpy
     if cu_list[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {cu_list[0]}")
     lens_list = [b - a for a, b in zip(cu_list, cu_list[1:])]
