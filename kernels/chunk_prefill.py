@@ -780,7 +780,6 @@ def missing(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_d
     return [f"{kind} {cfg}" for kind in ("prep", "chunk_fwd") if not library.has(kind, cfg)]
 
 
-
 def _flat_pool(state_pool: torch.Tensor) -> torch.Tensor:
     """A 1-D view of the pool from slot 0 to the end of the last slot (slot stride kept as is)."""
     n, hv, vd, kd = state_pool.shape
