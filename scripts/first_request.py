@@ -68,15 +68,15 @@ def main(argv=None) -> int:
     def allocs() -> int:
         return torch.cuda.memory_stats(dev).get("num_device_alloc", 0) if cuda else 0
 
+    # the layers' configuration as SGLang's adapter reads it (dt_bias in the model dtype)
+    config = dict(phases={"prefill", "decode"}, num_qk_heads=H, num_v_heads=HV, dtype=torch.bfloat16,
+                  pool_dtype=pool_dtype, bias_dtype=torch.bfloat16)
     t = time.perf_counter()
-    warmup.warmup_kernels(device=dev if cuda else None, phases={"prefill", "decode"}, num_qk_heads=H,
-                          num_v_heads=HV, dtype=torch.bfloat16, pool_dtype=pool_dtype, bias_dtype=torch.bfloat16)
+    warmup.warmup_kernels(device=dev if cuda else None, **config)
     if not cuda and not args.no_device_calls:  # on the CPU the device calls run on CPU tensors
         from qla_serving.warmup import device_call_steps
 
-        for _, fn in device_call_steps(warmup.warmup_config(
-                phases={"prefill", "decode"}, num_qk_heads=H, num_v_heads=HV, dtype=torch.bfloat16,
-                pool_dtype=pool_dtype, bias_dtype=torch.bfloat16), dev):
+        for _, fn in device_call_steps(warmup.warmup_config(**config), dev):
             fn()
     sync()
     print(f"our warm-up: {1e3 * (time.perf_counter() - t):.1f} ms, library kernels set up: {inits}")
