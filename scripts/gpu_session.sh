@@ -16,7 +16,8 @@
 # $OUT/stress-logs.tar.xz).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz).
-# Extra pytest arguments: QLA_PYTEST_ARGS="-k decode".
+# Extra pytest arguments: QLA_PYTEST_ARGS="-k decode"; QLA_TEST_SHARDS=N runs the tests as N processes,
+# one per GPU (default: one per GPU the machine has).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/qla-out}
@@ -28,8 +29,26 @@ status=0
 for step in "$@"; do
   echo "== $step"
   case $step in
-    tests) python3 -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" ${QLA_PYTEST_ARGS:-} \
-             2>&1 | tee "$OUT/gpu-tests.log" | tail -40 ;;
+    tests)
+      # one pytest per GPU over an interleaved share of the tests: a 4-GPU machine runs the suite in
+      # about a quarter of the time (QLA_TEST_SHARDS=1 keeps one process)
+      shards=${QLA_TEST_SHARDS:-$(nvidia-smi -L | wc -l)}
+      if ((shards <= 1)); then
+        python3 -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" ${QLA_PYTEST_ARGS:-} \
+          2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+      else
+        ( python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only ${QLA_PYTEST_ARGS:-} | grep '::' >/tmp/qla-gpu-tests.txt
+          echo "$(wc -l </tmp/qla-gpu-tests.txt) tests over $shards GPUs"
+          for ((i = 0; i < shards; i++)); do
+            awk -v n="$shards" -v i="$i" '(NR - 1) % n == i' /tmp/qla-gpu-tests.txt >/tmp/qla-gpu-tests-$i.txt
+            CUDA_VISIBLE_DEVICES=$i python3 -m pytest -q -rs -p no:cacheprovider --junitxml="/tmp/qla-gpu-tests-$i.xml" \
+              $(cat /tmp/qla-gpu-tests-$i.txt) >/tmp/qla-gpu-tests-$i.log 2>&1 &
+          done
+          rc=0; for job in $(jobs -p); do wait "$job" || rc=1; done
+          for ((i = 0; i < shards; i++)); do echo "-- GPU $i"; tail -8 /tmp/qla-gpu-tests-$i.log; done
+          cat /tmp/qla-gpu-tests-*.log >"$OUT/gpu-tests-shards.log"
+          exit $rc ) 2>&1 | tee "$OUT/gpu-tests.log" | tail -60
+      fi ;;
     check) python3 -m qla_serving.cli check 2>&1 | tee "$OUT/check.log" ;;
     bench-prefill) python3 -m qla_serving.cli bench prefill --out-dir "$OUT" ${QLA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-prefill.log" | tail -60 ;;
     bench-decode) python3 -m qla_serving.cli bench decode --out-dir "$OUT" ${QLA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-decode.log" | tail -60 ;;
