@@ -24,11 +24,14 @@ import sys
 # Kernels of the GDN core (conv, preparation, recurrence, layout copies around it), by backend.
 GDN_PATTERNS = {
     "conv1d": re.compile(r"causal_conv1d", re.I),
-    "recurrence (decode)": re.compile(r"gdn_decode|fused_recurrent|recurrent_gated_delta|packed_decode", re.I),
+    # vLLM's decode of a mixed step is fused_sigmoid_gating_delta_rule_update: decode, not prefill
+    "recurrence (decode)": re.compile(r"gdn_decode|fused_recurrent|recurrent_gated_delta|packed_decode|"
+                                      r"sigmoid_gating_delta_rule_update", re.I),
     "recurrence (prefill)": re.compile(r"chunk_fwd|prep_kernel|chunk_gated_delta|chunk_scaled_dot|"
                                        r"solve_tril|recompute_w_u|chunk_fwd_kernel|gdn_prefill|delta_rule|"
                                        r"chunk_local_cumsum|kkt", re.I),
-    "post-conv prep": re.compile(r"post_conv|l2norm|fused_gdn_gating|gating", re.I),
+    # the GDN gate kernels by name: a bare "gating" would take the MoE router's topkGating too
+    "post-conv prep": re.compile(r"post_conv|l2norm|gdn_gating", re.I),
 }
 GDN_OP = "vllm::qwen_gdn_attention_core"
 

@@ -209,6 +209,22 @@ def test_profile_summary_splits_gdn_kernels_from_the_rest(tmp_path):
     assert profile.main([str(tmp_path), "--out", str(tmp_path / "p.md")]) == 0
 
 
+@pytest.mark.parametrize("name, part", [
+    ("void vllm::moe::topkGating<16, 512, 4, 16, 32, int, __nv_bfloat16>", None),  # the MoE router
+    ("fused_gdn_gating_kernel", "post-conv prep"),
+    ("_fused_post_conv_kernel", "post-conv prep"),
+    ("fused_sigmoid_gating_delta_rule_update_kernel", "recurrence (decode)"),  # vLLM's decode in a mixed step
+    ("fused_recurrent_gated_delta_rule_packed_decode_kernel", "recurrence (decode)"),
+    ("gdn_decode_kernel", "recurrence (decode)"),
+    ("kernel_cutlass_kernel_flashinfergdn_kernelsdelta_rule_dsldelta_rule_sm90_FullyFusedDeltaRu",
+     "recurrence (prefill)"),
+    ("chunk_fwd_kernel", "recurrence (prefill)"),
+    ("_causal_conv1d_update_kernel", "conv1d"),
+])
+def test_profile_summary_names_each_gdn_kernel_part(name, part):
+    assert profile.classify(name) == part
+
+
 def test_flashqla_is_compared_with_the_best_built_in_backend():
     rows = _rows()[:4]  # triton at 100/3200 tok/s, flashqla at 120/3840
     rows.append({**rows[0], "backend": "default", "backend_resolved": "flashinfer", "total_tok_s": 150.0,
