@@ -34,6 +34,7 @@ import pathlib
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -473,13 +474,14 @@ def backend_env(backend: str, tp: int = 1, engine: str = "vllm") -> dict:
 def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[list[int]],
                 budget_end: float) -> tuple[list[dict], dict]:
     """Start one server, measure every point, stop it. Returns (rows, info)."""
-    logf = work / f"server-{backend}.log"
+    sfx = sample_suffix(args.server_sample)
+    logf = work / f"server-{backend}{sfx}.log"
     cmd = server_command(s, backend, args.server_arg + profiler_args(s, args, work / f"trace-{backend}"))
     env = backend_env(backend, s.tp, s.engine)
     log(f"start {s.engine} {backend} tp{s.tp}: {shlex.join(cmd)}")
     server = Server(cmd, env, logf, s.port)
     proc = None
-    info: dict = {"backend": backend, "command": shlex.join(cmd)}
+    info: dict = {"backend": backend, "sample": args.server_sample, "command": shlex.join(cmd)}
     rows: list[dict] = []
     client = Client(s.engine, env)
     try:
@@ -497,43 +499,48 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
             except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
                 info["agree_error"] = f"{type(e).__name__}: {e}"
                 log(f"agreement requests failed on {backend}: {info['agree_error']}")
-        for workload in args.workloads:
-            for conc in args.concurrency:
-                if time.monotonic() > budget_end:
-                    log(f"budget spent: {backend} {workload} c{conc} left out")
-                    info.setdefault("left_out", []).append(f"{workload}@{conc}")
-                    continue
-                n = num_prompts(conc, args.prompts_per_concurrency, args.min_prompts)
-                res = work / f"client-{backend}-{workload}-c{conc}.json"
-                ccmd = client_command(s, workload, conc, n, str(res), warmups=min(conc, args.warmups))
-                res.unlink(missing_ok=True)  # an earlier call's file must not stand in for this point
-                t1 = time.monotonic()
-                with ClockSampler(work / f"clocks-{backend}-{workload}-c{conc}.csv") as clocks:
-                    rc, err = client.run(ccmd, work / f"client-{backend}-{workload}-c{conc}.log")
-                input_len, output_len = WORKLOADS[workload]
-                row = {"engine": s.engine, "backend": backend, "tp": s.tp, "workload": workload,
-                       "input_len": input_len, "output_len": output_len, "concurrency": conc, "num_prompts": n,
-                       "startup_s": info["startup_s"]}
-                if rc != 0 or not res.is_file():
-                    row["error"] = f"client exit {rc}: {err or ''} {tail(work / f'client-{backend}-{workload}-c{conc}.log', 5)}"
-                else:
-                    row.update(parse_client_result(s.engine, str(res)), **clocks.summary)
-                if not row.get("error") and row["completed"] < n:  # the clients count failed requests, exit 0
-                    row["error"] = f"{row['completed']} of {n} requests completed"
-                if row.get("error"):
-                    log(f"FAILED point {backend} {workload} c{conc}: {row['error'][-200:]}")
-                else:
-                    log(f"point {backend} {workload} c{conc} n={n}: {row['total_tok_s']:.0f} tok/s total, "
-                        f"{row['output_tok_s']:.0f} out, TTFT {row['mean_ttft_ms']:.0f} ms, "
-                        f"TPOT {row['mean_tpot_ms']:.2f} ms, SM {row.get('sm_clock_mhz_median')} MHz "
-                        f"({time.monotonic() - t1:.0f} s)")
-                if proc.poll() is not None:
-                    row["error"] = row.get("error", "") + " server exited"
-                rows.append(row)
-                if proc.poll() is not None:
-                    log(f"server {backend} died; log tail:\n{tail(logf)}")
-                    info["error"] = "server died"
-                    return rows, info
+        # every point once per round, the rounds one after another: a drift over the server's life
+        # spreads over all points instead of landing on the last ones
+        for rnd in range(args.repeats):
+            for workload in args.workloads:
+                for conc in args.concurrency:
+                    point = f"{workload} c{conc}" + (f" round {rnd + 1}/{args.repeats}" if args.repeats > 1 else "")
+                    if time.monotonic() > budget_end:
+                        log(f"budget spent: {backend} {point} left out")
+                        info.setdefault("left_out", []).append(f"{workload}@{conc}" + (f"#{rnd + 1}" if rnd else ""))
+                        continue
+                    n = num_prompts(conc, args.prompts_per_concurrency, args.min_prompts)
+                    name = f"{backend}-{workload}-c{conc}{sfx}" + (f"-r{rnd + 1}" if args.repeats > 1 else "")
+                    res = work / f"client-{name}.json"
+                    ccmd = client_command(s, workload, conc, n, str(res), warmups=min(conc, args.warmups))
+                    res.unlink(missing_ok=True)  # an earlier call's file must not stand in for this point
+                    t1 = time.monotonic()
+                    with ClockSampler(work / f"clocks-{name}.csv") as clocks:
+                        rc, err = client.run(ccmd, work / f"client-{name}.log")
+                    input_len, output_len = WORKLOADS[workload]
+                    row = {"engine": s.engine, "backend": backend, "tp": s.tp, "workload": workload,
+                           "input_len": input_len, "output_len": output_len, "concurrency": conc, "num_prompts": n,
+                           "startup_s": info["startup_s"], "sample": args.server_sample, "round": rnd + 1}
+                    if rc != 0 or not res.is_file():
+                        row["error"] = f"client exit {rc}: {err or ''} {tail(work / f'client-{name}.log', 5)}"
+                    else:
+                        row.update(parse_client_result(s.engine, str(res)), **clocks.summary)
+                    if not row.get("error") and row["completed"] < n:  # the clients count failed requests, exit 0
+                        row["error"] = f"{row['completed']} of {n} requests completed"
+                    if row.get("error"):
+                        log(f"FAILED point {backend} {point}: {row['error'][-200:]}")
+                    else:
+                        log(f"point {backend} {point} n={n}: {row['total_tok_s']:.0f} tok/s total, "
+                            f"{row['output_tok_s']:.0f} out, TTFT {row['mean_ttft_ms']:.0f} ms, "
+                            f"TPOT {row['mean_tpot_ms']:.2f} ms, SM {row.get('sm_clock_mhz_median')} MHz "
+                            f"({time.monotonic() - t1:.0f} s)")
+                    if proc.poll() is not None:
+                        row["error"] = row.get("error", "") + " server exited"
+                    rows.append(row)
+                    if proc.poll() is not None:
+                        log(f"server {backend} died; log tail:\n{tail(logf)}")
+                        info["error"] = "server died"
+                        return rows, info
         if args.profile and proc.poll() is None:
             if budget_end - time.monotonic() > PROFILE_MIN_S:
                 info["profile"] = profile_point(s, backend, args, work, client)
@@ -592,25 +599,73 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, client: Clie
     return out
 
 
+def sample_suffix(sample: int) -> str:
+    """File-name suffix of a backend's server sample (none for the first)."""
+    return "" if sample <= 1 else f"-s{sample}"
+
+
 def save_backend(work: pathlib.Path, key: dict, rows: list[dict], info: dict) -> None:
-    (work / f"backend-{info['backend']}.json").write_text(json.dumps({"key": key, "rows": rows, "info": info}))
+    name = f"backend-{info['backend']}{sample_suffix(info.get('sample', 1))}.json"
+    (work / name).write_text(json.dumps({"key": key, "rows": rows, "info": info}))
 
 
-def load_backend(work: pathlib.Path, backend: str, key: dict) -> dict | None:
-    path = work / f"backend-{backend}.json"
+def load_backend(work: pathlib.Path, backend: str, key: dict, sample: int = 1) -> dict | None:
+    path = work / f"backend-{backend}{sample_suffix(sample)}.json"
     if not path.is_file():
         return None
     saved = json.loads(path.read_text())
     return saved if saved.get("key") == key else None
 
 
+def load_samples(work: pathlib.Path, backend: str, key: dict) -> list[dict]:
+    """Every server sample of ``backend`` saved for this setup, in sample order."""
+    numbers = [1] + sorted(int(m.group(1)) for p in work.glob(f"backend-{backend}-s*.json")
+                           if (m := re.fullmatch(rf"backend-{re.escape(backend)}-s(\d+)\.json", p.name)))
+    return [saved for k in numbers if (saved := load_backend(work, backend, key, k))]
+
+
+# per point, the value of each of these is the median over the point's runs (servers x rounds)
+MEDIAN_KEYS = ("request_throughput", "total_tok_s", "output_tok_s", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+               "p99_tpot_ms", "mean_itl_ms", "startup_s", "sm_clock_mhz_median", "sm_clock_mhz_min", "power_w_mean")
+SPREAD_KEYS = ("total_tok_s", "mean_ttft_ms", "mean_tpot_ms")
+
+
+def median_rows(runs: list[dict]) -> list[dict]:
+    """One row per (backend, workload, concurrency): the median of its successful runs, with
+    ``runs`` (how many), ``failed_runs`` and ``spread`` (min and max of the throughput and latency
+    means); a point whose every run failed keeps its first run's error."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["backend"], r["workload"], r["concurrency"]), []).append(r)
+    out = []
+    for group in groups.values():
+        ok = [r for r in group if not r.get("error")]
+        row = {k: v for k, v in (ok or group)[0].items() if k not in ("sample", "round")}
+        row["runs"], row["failed_runs"] = len(ok), len(group) - len(ok)
+        if ok:
+            for k in MEDIAN_KEYS:
+                vals = [r[k] for r in ok if r.get(k) is not None]
+                row[k] = statistics.median(vals) if vals else None
+            row["clock_limits"] = sorted({lim for r in ok for lim in (r.get("clock_limits") or [])})
+            if len(ok) > 1:
+                row["spread"] = {k: [min(r[k] for r in ok), max(r[k] for r in ok)] for k in SPREAD_KEYS
+                                 if all(r.get(k) is not None for r in ok)}
+        out.append(row)
+    return out
+
+
 def finish_rows(rows: list[dict], infos: list[dict], reference: str) -> None:
     """agree_fraction of every backend and its rows: its server's greedy tokens against the
     reference backend's."""
-    ref = next((i.get("tokens") for i in infos if i["backend"] == reference), None)
+    ref = next((i.get("tokens") for i in infos if i["backend"] == reference and i.get("tokens")), None)
+    by_backend: dict[str, float | None] = {}
     for info in infos:
-        info["agree_fraction"] = agree_fraction(ref, info.get("tokens"))
-    by_backend = {i["backend"]: i["agree_fraction"] for i in infos}
+        info["agree_fraction"] = a = agree_fraction(ref, info.get("tokens"))
+        if a is not None:  # a backend measured by several servers: its lowest
+            prev = by_backend.get(info["backend"])
+            by_backend[info["backend"]] = a if prev is None else min(prev, a)
+        else:
+            by_backend.setdefault(info["backend"], None)
     for r in rows:
         r["agree_fraction"] = by_backend.get(r["backend"])
         for k in ROW_KEYS:
@@ -672,6 +727,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {a['workload']} | {a['concurrency']} | {a['best']} | {a['total_tok_s']:.3f}x | "
                   f"{a['output_tok_s']:.3f}x | {a['mean_ttft']:.3f}x | {a['mean_tpot']:.3f}x |" for a in ratios]
+        lines.append("")
+    spread = [r for r in rows if r.get("spread")]
+    if spread:
+        lines += ["## Spread over runs", "",
+                  f"Each point above is the median of its runs: {meta.get('repeats', 1)} per server, "
+                  f"servers per backend {json.dumps(meta.get('server_samples'))}.", "",
+                  "| backend | workload | conc | runs (failed) | total tok/s min-max | mean TTFT ms min-max | "
+                  "mean TPOT ms min-max |", "|---|---|---|---|---|---|---|"]
+        rng = lambda r, k, d: "—" if k not in r["spread"] else "-".join(f"{v:.{d}f}" for v in r["spread"][k])  # noqa: E731
+        for r in spread:
+            lines.append(f"| {r['backend']} | {r['workload']} | {r['concurrency']} | {r['runs']} ({r['failed_runs']}) | "
+                         f"{rng(r, 'total_tok_s', 0)} | {rng(r, 'mean_ttft_ms', 1)} | {rng(r, 'mean_tpot_ms', 2)} |")
         lines.append("")
     for workload in dict.fromkeys(r["workload"] for r in rows):
         sub = [r for r in rows if r["workload"] == workload]
@@ -755,10 +822,13 @@ def plot(meta: dict, rows: list[dict], stem: pathlib.Path) -> list[str]:
     return written
 
 
-def write_results(out_dir: pathlib.Path, stem: str, meta: dict, rows: list[dict]) -> pathlib.Path:
+def write_results(out_dir: pathlib.Path, stem: str, meta: dict, rows: list[dict],
+                  runs: list[dict] | None = None) -> pathlib.Path:
+    """``rows``: one per point (the median of its runs); ``runs``: every run, when a point has several."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{stem}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    data = {"meta": meta, "rows": rows, **({"runs": runs} if runs else {})}
+    path.write_text(json.dumps(data, indent=1) + "\n")
     (out_dir / f"{stem}.md").write_text(markdown(meta, rows) + "\n")
     plot(meta, rows, out_dir / stem)
     return path
@@ -782,6 +852,12 @@ def parse_args(argv):
     p.add_argument("--prompts-per-concurrency", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=4)
     p.add_argument("--warmups", type=int, default=4, help="client warm-up requests per point (at most the concurrency)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every point this many times per server (all points once per round); the "
+                        "results give each point's median and its spread")
+    p.add_argument("--server-sample", type=int, default=1, metavar="K",
+                   help="this call's server is sample K of its backends: the calls of samples 1..K add up "
+                        "in the work directory, and each point's median is over every sample's runs")
     p.add_argument("--agree-prompts", type=int, default=8)
     p.add_argument("--agree-tokens", type=int, default=64)
     p.add_argument("--max-len", type=int, default=0, help="max model length (default: the longest workload + 1024)")
@@ -806,6 +882,10 @@ def parse_args(argv):
             p.error(f"--concurrency {c}: must be >= 1")
     if args.tp < 1:
         p.error(f"--tp {args.tp}: must be >= 1")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: must be >= 1")
+    if args.server_sample < 1:
+        p.error(f"--server-sample {args.server_sample}: must be >= 1")
     return args
 
 
@@ -858,7 +938,8 @@ def main(argv=None) -> int:
     gpu = gpu_name()
     # calls add up only for the same setup and points (a backend's file holds its latest call)
     key = {"engine": args.engine, "model": args.model, "layers": args.layers, "tp": args.tp, "gpu": gpu,
-           "workloads": args.workloads, "concurrency": args.concurrency, "server_args": args.server_arg}
+           "workloads": args.workloads, "concurrency": args.concurrency, "server_args": args.server_arg,
+           "repeats": args.repeats}
     command = shlex.join(["python", "-m", "e2e_bench.serve", *argv])
     for backend in backends:
         resolved_default = (load_backend(work, "default", key) or {}).get("info", {}).get("resolved")
@@ -867,23 +948,24 @@ def main(argv=None) -> int:
             continue
         if time.monotonic() > budget_end:
             log(f"budget spent: {backend} not started")
-            save_backend(work, key, [], {"backend": backend, "error": "left out (budget)", "call": command})
+            save_backend(work, key, [], {"backend": backend, "sample": args.server_sample,
+                                         "error": "left out (budget)", "call": command})
             continue
         r, info = run_backend(s, backend, args, work, prompts, budget_end)
         info["call"] = command
         save_backend(work, key, r, info)
     # every backend measured into this work directory for the same setup, this call's and earlier
     # calls' (a run split over several commands, one server each)
-    rows, infos = [], []
+    runs, infos = [], []
     for backend in BACKENDS:
-        saved = load_backend(work, backend, key)
-        if saved:
+        for saved in load_samples(work, backend, key):
             if backend == "default":
                 for row in saved["rows"]:
                     row["backend_resolved"] = saved["info"].get("resolved")
-            rows += saved["rows"]
+            runs += saved["rows"]
             infos.append(saved["info"])
-    finish_rows(rows, infos, args.reference)
+    finish_rows(runs, infos, args.reference)
+    rows = median_rows(runs)
     meta = {
         "gpu": gpu, "gpus": args.tp, "engine": args.engine, "tp": args.tp, "versions": versions(args.engine),
         "model": model_text, "model_name": spec["name"],
@@ -894,10 +976,13 @@ def main(argv=None) -> int:
                                                    f"{args.agree_tokens} greedy tokens, one request at a time",
         "prompts": f"max({args.min_prompts}, {args.prompts_per_concurrency} x concurrency) per point, "
                    f"{args.warmups} warm-up requests (at most the concurrency)",
+        "repeats": args.repeats,
+        "server_samples": {b: n for b in BACKENDS if (n := sum(i["backend"] == b for i in infos))},
         "wall_s": round(time.monotonic() - start, 1),
     }
     (work / "tokens.json").write_text(json.dumps({i["backend"]: i.get("tokens") for i in infos}))
-    path = write_results(pathlib.Path(args.out_dir), results_stem(gpu, args.engine, args.tp, args.tag), meta, rows)
+    path = write_results(pathlib.Path(args.out_dir), results_stem(gpu, args.engine, args.tp, args.tag), meta, rows,
+                         runs if len(runs) > len(rows) else None)
     log(f"wrote {path}")
     failed = [i["backend"] for i in infos if i.get("error")] + [r["backend"] for r in rows if r.get("error")]
     return 1 if failed else 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import pathlib
 import sys
 
 import pytest
@@ -179,7 +180,9 @@ def test_results_files_table_and_plots(tmp_path):
 def test_cli_rejects_bad_arguments(capsys):
     for argv, msg in ((["--engine", "vllm", "--concurrency", "0"], "--concurrency 0"),
                       (["--engine", "vllm", "--tp", "0"], "--tp 0"),
-                      (["--engine", "nope"], "invalid choice")):
+                      (["--engine", "nope"], "invalid choice"),
+                      (["--engine", "vllm", "--repeats", "0"], "--repeats 0"),
+                      (["--engine", "vllm", "--server-sample", "0"], "--server-sample 0")):
         with pytest.raises(SystemExit):
             serve.parse_args(argv)
         assert msg in capsys.readouterr().err
@@ -273,3 +276,116 @@ def test_gdn_gates_are_drawn_once_per_layer_when_an_inner_module_shares_them():
     A_log, dt_bias = gdn_gate_values(8, zlib.crc32(b"layers.1"))
     assert torch.equal(model["layers"][1].A_log.data, A_log)
     assert torch.equal(model["layers"][1].attn.dt_bias.data, dt_bias)
+
+
+def _run(backend, conc, tok, tpot, sample=1, rnd=1, error=None):
+    r = {**_rows()[0], "backend": backend, "concurrency": conc, "total_tok_s": tok, "output_tok_s": tok / 2,
+         "mean_tpot_ms": tpot, "sample": sample, "round": rnd, "clock_limits": ["SW power cap"] if rnd == 2 else []}
+    if error:
+        r["error"] = error
+    return r
+
+
+def test_a_point_measured_several_times_reports_its_median_and_spread():
+    runs = [_run("flashqla", 1, tok, tpot, s, r) for (s, r), tok, tpot in
+            zip([(1, 1), (1, 2), (2, 1), (2, 2)], (100.0, 140.0, 90.0, 120.0), (3.0, 4.4, 3.2, 3.1))]
+    runs.append(_run("flashqla", 1, 0.0, 0.0, 2, 3, error="client exit 1: boom"))
+    runs += [_run("triton", 1, 0.0, 0.0, error="client exit 1: a"), _run("triton", 1, 0.0, 0.0, rnd=2, error="b")]
+    rows = serve.median_rows(runs)
+    ours, theirs = rows
+    assert ours["total_tok_s"] == 110.0 and ours["output_tok_s"] == 55.0 and ours["mean_tpot_ms"] == pytest.approx(3.15)
+    assert ours["runs"] == 4 and ours["failed_runs"] == 1 and "error" not in ours
+    assert ours["spread"] == {"total_tok_s": [90.0, 140.0], "mean_ttft_ms": [10.0, 10.0], "mean_tpot_ms": [3.0, 4.4]}
+    assert ours["clock_limits"] == ["SW power cap"] and "sample" not in ours and "round" not in ours
+    assert theirs["error"] == "client exit 1: a" and theirs["runs"] == 0 and theirs["failed_runs"] == 2
+    single = serve.median_rows([_run("triton", 32, 7.0, 2.0)])[0]
+    assert single["total_tok_s"] == 7.0 and single["runs"] == 1 and "spread" not in single
+
+
+def test_server_samples_add_up_and_agreement_is_a_backends_worst(tmp_path):
+    key = {"engine": "vllm", "model": "m", "tp": 1, "repeats": 2}
+    serve.save_backend(tmp_path, key, [_run("flashqla", 1, 100.0, 3.0)], {"backend": "flashqla", "tokens": [[1, 2]]})
+    serve.save_backend(tmp_path, key, [_run("flashqla", 1, 80.0, 3.0, sample=3)],
+                       {"backend": "flashqla", "sample": 3, "tokens": [[1, 3]]})
+    serve.save_backend(tmp_path, {**key, "repeats": 1}, [], {"backend": "flashqla", "sample": 2})  # another setup
+    samples = serve.load_samples(tmp_path, "flashqla", key)
+    assert [s["info"].get("sample", 1) for s in samples] == [1, 3]
+    assert serve.load_samples(tmp_path, "triton", key) == []
+    infos = [s["info"] for s in samples] + [{"backend": "default", "tokens": [[1, 2]]}]
+    runs = [r for s in samples for r in s["rows"]]
+    serve.finish_rows(runs, infos, "default")
+    assert [r["agree_fraction"] for r in runs] == [0.5, 0.5]
+
+
+def test_repeats_run_every_point_once_per_round_in_one_server(tmp_path, monkeypatch):
+    class FakeProc:
+        def poll(self):
+            return None
+
+    class FakeServer:
+        def __init__(self, cmd, env, log_path, port):
+            self.proc, self.started = FakeProc(), 0.0
+
+        def start(self, timeout):
+            return True
+
+        def log_text(self):
+            return ""
+
+        def stop(self):
+            pass
+
+    calls = []
+
+    class FakeClient:
+        def __init__(self, engine, env):
+            pass
+
+        def run(self, cmd, log_path):
+            out = pathlib.Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+            calls.append(out.name)
+            out.write_text(json.dumps({"completed": int(cmd[cmd.index("--num-prompts") + 1]),
+                                       "total_token_throughput": 10.0 * len(calls), "output_throughput": 1.0,
+                                       "mean_ttft_ms": 1.0, "mean_tpot_ms": 1.0}))
+            return 0, ""
+
+        def close(self):
+            pass
+
+    class NoClocks:
+        summary: dict = {}
+
+        def __init__(self, path):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(serve, "Server", FakeServer)
+    monkeypatch.setattr(serve, "Client", FakeClient)
+    monkeypatch.setattr(serve, "ClockSampler", NoClocks)
+    args = serve.parse_args(["--engine", "vllm", "--workloads", "short", "chat", "--concurrency", "1", "32",
+                             "--repeats", "2", "--server-sample", "2", "--agree-prompts", "0"])
+    s = serve.Setup("vllm", str(tmp_path / "model"), 1, 4096)
+    rows, info = serve.run_backend(s, "flashqla", args, tmp_path, [], float("inf"))
+    assert calls == [f"client-flashqla-{w}-c{c}-s2-r{r}.json" for r in (1, 2) for w in ("short", "chat")
+                     for c in (1, 32)]
+    assert [(r["workload"], r["concurrency"], r["round"], r["sample"]) for r in rows][:5] == [
+        ("short", 1, 1, 2), ("short", 32, 1, 2), ("chat", 1, 1, 2), ("chat", 32, 1, 2), ("short", 1, 2, 2)]
+    assert info["sample"] == 2 and not info.get("error")
+    medians = serve.median_rows(rows)
+    assert len(medians) == 4 and medians[0]["total_tok_s"] == 30.0 and medians[0]["runs"] == 2
+
+
+def test_results_with_runs_show_the_spread(tmp_path):
+    runs = [_run("flashqla", 1, 100.0, 3.0, rnd=1), _run("flashqla", 1, 120.0, 3.5, rnd=2)]
+    meta = {"engine": "vllm", "tp": 1, "gpu": "H100", "gpus": 1, "model": "m", "model_name": "m", "command": "c",
+            "repeats": 2, "server_samples": {"flashqla": 1}}
+    path = serve.write_results(tmp_path, "stem", meta, serve.median_rows(runs), runs)
+    data = json.loads(path.read_text())
+    assert len(data["rows"]) == 1 and len(data["runs"]) == 2 and data["rows"][0]["total_tok_s"] == 110.0
+    md = (tmp_path / "stem.md").read_text()
+    assert "## Spread over runs" in md and "| flashqla | chat | 1 | 2 (0) | 100-120 | 10.0-10.0 | 3.00-3.50 |" in md
