@@ -531,14 +531,20 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
 _fallback_warned: set[str] = set()
 
 
-def _find_linear_layer(model):
-    """A ``RadixLinearAttention``-like module of the model (for head counts and gate dtypes)."""
+def _find_linear_layer(model, num_v_heads: int):
+    """A ``RadixLinearAttention``-like module of the model (for head counts and gate dtypes) whose
+    value heads are ``num_v_heads``, the state pool's (per rank).
+
+    SGLang's GDN layer (``Qwen3GatedDeltaNet``, ``Qwen3_5GatedDeltaNet``) holds the model's total
+    head counts under the same names and comes first in ``modules()``; its ``RadixLinearAttention``
+    child holds the per-rank ones. At TP 1 the two agree; above it only the child matches the pool.
+    """
     if model is None:
         return None
     for module in model.modules():
         if all(
             hasattr(module, name) for name in ("num_k_heads", "num_v_heads", "head_k_dim", "A_log", "dt_bias")
-        ):
+        ) and module.num_v_heads == num_v_heads:
             return module
     return None
 
@@ -579,7 +585,7 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
         return None
     reason = qla_backend.unsupported_reason(device, K, V, dtype, pool.dtype)
     if reason is None:
-        layer = _find_linear_layer(getattr(model_runner, "model", None))
+        layer = _find_linear_layer(getattr(model_runner, "model", None), HV)
         from .warmup import warmup_kernels, warmup_specs
 
         config = dict(

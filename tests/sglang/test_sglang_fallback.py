@@ -171,6 +171,43 @@ def test_supported_config_keeps_our_kernel_and_compiles_at_start_up(dispatcher, 
     )
 
 
+def tp_sharded_model(total_k, total_v, tp, head_dim=128):
+    """SGLang's GDN layer as it is built at TP ``tp``: the model's total head counts on the layer
+    (``Qwen3GatedDeltaNet``), the per-rank ones on its real ``RadixLinearAttention`` child."""
+    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+
+    layer = torch.nn.Module()
+    layer.num_k_heads, layer.num_v_heads, layer.head_k_dim = total_k, total_v, head_dim
+    layer.A_log = torch.nn.Parameter(torch.zeros(total_v // tp))
+    layer.dt_bias = torch.nn.Parameter(torch.zeros(total_v // tp, dtype=torch.bfloat16))
+    layer.attn = RadixLinearAttention(
+        layer_id=0, num_q_heads=total_k // tp, num_k_heads=total_k // tp, num_v_heads=total_v // tp,
+        head_q_dim=head_dim, head_k_dim=head_dim, head_v_dim=head_dim, A_log=layer.A_log, dt_bias=layer.dt_bias)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    return model
+
+
+@pytest.mark.parametrize("total_k, total_v, tp", [(16, 64, 4), (16, 32, 2), (16, 64, 8), (16, 32, 1)])
+def test_head_counts_are_the_ranks_at_every_tp(dispatcher, monkeypatch, total_k, total_v, tp):
+    from qla_serving.integrations.sglang import warmup
+    from qla_serving.integrations.sglang.kernel import bind_to_runner
+    from qla_serving.integrations.sglang.patch import our_kernel
+
+    monkeypatch.setattr(qla_backend, "device_unsupported_reason", lambda device: None)
+    checked = []
+    monkeypatch.setattr(qla_backend, "missing_kernels_reason", lambda specs: checked.append(specs) and None)
+    compiled = []
+    monkeypatch.setattr(warmup, "warmup_kernels", lambda **cfg: compiled.append(cfg) or 0)
+    r = runner()
+    r.req_to_token_pool.mamba_pool.mamba_cache.temporal = torch.zeros(3, 5, total_v // tp, 128, 128)
+    r.model = tp_sharded_model(total_k, total_v, tp)
+    assert bind_to_runner(our_kernel(dispatcher), dispatcher, gdn_backend_with(dispatcher), r) is None
+    assert (compiled[0]["num_qk_heads"], compiled[0]["num_v_heads"]) == (total_k // tp, total_v // tp)
+    label, _, _, kwargs = checked[0][0]  # the kernels looked up in the libraries: the ranks' too
+    assert label == "prefill" and (kwargs["num_qk_heads"], kwargs["num_v_heads"]) == (total_k // tp, total_v // tp)
+
+
 def test_force_reference_keeps_our_kernel(dispatcher, monkeypatch):
     from qla_serving.integrations.sglang.kernel import bind_to_runner
     from qla_serving.integrations.sglang.patch import our_kernel
