@@ -36,8 +36,8 @@ DECODE_CONFIGS: dict = {
 # `qla-serving compile --shipped`): the per-rank GDN heads of the released hybrid Qwen models
 # (Qwen3-Next, Qwen3.5, Qwen3.6: 16 q/k heads and 16, 32, 48 or 64 value heads) at tensor
 # parallelism 1, 2, 4 and 8, for each engine's way of calling the kernels, every activation and
-# state dtype, and speculative verify of 1 to 3 draft tokens. A configuration outside it is
-# compiled with TileLang when a validated TileLang is installed.
+# state dtype, and speculative verify of 1, 2, 3, 4 and 8 draft tokens (MTP's usual settings). A
+# configuration outside it is compiled with TileLang when a validated TileLang is installed.
 SHIPPED_CONFIGS: dict = {
     "qk_heads": 16,
     "v_heads": (16, 32, 48, 64),
@@ -45,5 +45,5 @@ SHIPPED_CONFIGS: dict = {
     "engines": ("vllm", "sglang"),
     "dtypes": ("bf16", "fp16"),
     "states": ("fp32", "bf16"),
-    "verify_tokens": (2, 3, 4),
+    "verify_tokens": (2, 3, 4, 5, 9),
 }

@@ -8,6 +8,6 @@ CHUNK_SIZE = 64  # tokens per chunk of the chunked prefill (kernels, references,
 HEAD_DIM = 128  # K = V: the only GDN head dim the kernels take
 L2NORM_EPS = 1e-6  # q, k L2 norm: x / sqrt(sum(x^2) + eps)
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it (the gate's dt)
-MAX_DECODE_TOKENS = 8  # tokens per sequence in one decode call (1 + speculative drafts)
+MAX_DECODE_TOKENS = 16  # tokens per sequence in one decode call (1 + speculative drafts)
 # AutoCP trusts a warm-up window whose decay is below 2^-16 (the error argument: ops/gated_delta_rule/naive.py, AutoCP reference).
 LOG_DECAY_THRESHOLD = -16 * math.log(2)

@@ -96,7 +96,7 @@ def test_prefill_needs_offsets():
 
 DECODE_BAD = [
     ("q rank", dict(q=torch.randn(3, H)), ValueError, "q must have rank 3 or 4"),
-    ("too many tokens", dict(T=9), ValueError, "1 to 8 tokens per sequence, got T=9"),
+    ("too many tokens", dict(T=17), ValueError, "1 to 16 tokens per sequence, got T=17"),
     ("GVA", dict(v=torch.randn(3, 1, 3, K)), ValueError, "multiple of q/k heads"),
     ("a shape", dict(a=torch.randn(3, 1, HV + 1)), ValueError, "a must have shape"),
     ("A_log shape", dict(A_log=torch.zeros(HV, 1)), ValueError, r"A_log must have shape \(4,\)"),

@@ -149,7 +149,7 @@ def test_single_token(pool_dtype, H, HV):
 
 @gpu
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [2, 3, 5, 8])
+@pytest.mark.parametrize("T", [2, 3, 5, 9, 16])
 def test_multi_token_with_intermediates(pool_dtype, T):
     run_case(N=6, T=T, H=4, HV=16, pool_dtype=pool_dtype, inter=True, pad=1)
 

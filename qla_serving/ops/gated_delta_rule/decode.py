@@ -44,13 +44,13 @@ def gated_delta_rule_decode(
     inplace_final_state: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step (or up to 8 tokens per sequence, for speculative verify).
+    """One decode step (or up to 16 tokens per sequence, for speculative verify).
 
     The gate is computed inside: ``g = -exp(A_log) * softplus(a + dt_bias)`` and
     ``beta = sigmoid(b)``. CUDA-graph capturable on the kernel path (fixed shapes, no sync).
 
     Args:
-        q: ``[N, H, K]`` (one token) or ``[N, T, H, K]`` (``T <= 8`` tokens), bf16/fp16
+        q: ``[N, H, K]`` (one token) or ``[N, T, H, K]`` (``T <= 16`` tokens), bf16/fp16
             (fp32 runs the reference) — queries; contiguous.
         k: q's shape and dtype — keys.
         v: ``[N, HV, V]`` or ``[N, T, HV, V]``, q's dtype — values; ``HV`` a multiple of ``H``.
