@@ -476,7 +476,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
     """Start one server, measure every point, stop it. Returns (rows, info)."""
     sfx = sample_suffix(args.server_sample)
     logf = work / f"server-{backend}{sfx}.log"
-    cmd = server_command(s, backend, args.server_arg + profiler_args(s, args, work / f"trace-{backend}"))
+    cmd = server_command(s, backend, args.server_arg + profiler_args(s, args, work / f"trace-{backend}{sfx}"))
     env = backend_env(backend, s.tp, s.engine)
     log(f"start {s.engine} {backend} tp{s.tp}: {shlex.join(cmd)}")
     server = Server(cmd, env, logf, s.port)
@@ -575,11 +575,12 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, client: Clie
     workload, conc = args.profile.split(":")
     conc = int(conc)
     n = num_prompts(conc, args.prompts_per_concurrency, args.min_prompts)
-    res = work / f"client-{backend}-profile.json"
+    name = f"{backend}{sample_suffix(args.server_sample)}"
+    res = work / f"client-{name}-profile.json"
     cmd = client_command(s, workload, conc, n, str(res), warmups=0) + ["--profile"]
     log(f"profile {backend} {workload} c{conc}: {args.profile_steps} steps after {args.profile_delay}")
-    rc, _ = client.run(cmd, work / f"client-{backend}-profile.log")
-    trace_dir = work / f"trace-{backend}"
+    rc, _ = client.run(cmd, work / f"client-{name}-profile.log")
+    trace_dir = work / f"trace-{name}"
     time.sleep(5)  # the worker writes its trace after stop_profile returns
     out = {"client_rc": rc}
     texts = []
@@ -587,12 +588,15 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, client: Clie
         summ = prof.summarize(prof.load_trace(t))
         if summ["kernel_us_total"]:
             texts.append(prof.markdown(f"{backend} {workload} c{conc} — {t.name}", summ, args.profile_steps))
-            out.update(kernel_ms_per_step=summ["kernel_us_total"] / 1e3 / args.profile_steps,
+            if "trace" in out:
+                continue  # the numbers below are the first rank's (every rank's are in the markdown)
+            out.update(trace=t.name, kernel_ms_per_step=summ["kernel_us_total"] / 1e3 / args.profile_steps,
                        gdn_ms_per_step={k: v / 1e3 / args.profile_steps for k, v in summ["gdn_us"].items()},
                        gdn_op_host_us=summ["gdn_op_host_us"])
     table = trace_dir / "profiler_out_0.txt"
     stem = results_stem(gpu_name(), s.engine, s.tp, args.tag)
-    (pathlib.Path(args.out_dir) / f"{stem}-profile-{backend}.md").write_text(
+    pathlib.Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(args.out_dir) / f"{stem}-profile-{name}.md").write_text(
         "\n".join(texts) + ("\n```\n" + "\n".join(table.read_text().splitlines()[:60]) + "\n```\n"
                             if table.is_file() else ""))
     log(f"profile {backend}: {out}")

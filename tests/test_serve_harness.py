@@ -389,3 +389,29 @@ def test_results_with_runs_show_the_spread(tmp_path):
     assert len(data["rows"]) == 1 and len(data["runs"]) == 2 and data["rows"][0]["total_tok_s"] == 110.0
     md = (tmp_path / "stem.md").read_text()
     assert "## Spread over runs" in md and "| flashqla | chat | 1 | 2 (0) | 100-120 | 10.0-10.0 | 3.00-3.50 |" in md
+
+
+def test_profile_point_reports_the_first_rank_and_keeps_every_rank(tmp_path, monkeypatch):
+    def trace(rank, kernel_us):
+        d = tmp_path / "work" / "trace-flashqla-s2"
+        d.mkdir(parents=True, exist_ok=True)
+        ev = [{"ph": "X", "cat": "kernel", "name": "gdn_decode_kernel", "ts": 0, "dur": 10},
+              {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": 10, "dur": kernel_us - 10}]
+        with gzip.open(d / f"dp0_pp0_tp{rank}_rank{rank}.pt.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": ev}, f)
+
+    class FakeClient:
+        def run(self, cmd, log_path):
+            trace(1, 5000)  # the workers write their traces while the client runs
+            trace(0, 1000)
+            return 0, ""
+
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    args = serve.parse_args(["--engine", "vllm", "--profile", "retrieval:1", "--profile-steps", "10",
+                             "--server-sample", "2", "--out-dir", str(tmp_path / "out")])
+    s = serve.Setup("vllm", str(tmp_path / "model"), 4, 4096)
+    out = serve.profile_point(s, "flashqla", args, tmp_path / "work", FakeClient())
+    assert out["trace"].startswith("dp0_pp0_tp0") and out["kernel_ms_per_step"] == pytest.approx(0.1)
+    assert out["gdn_ms_per_step"] == {"recurrence (decode)": pytest.approx(0.001)}
+    md = next((tmp_path / "out").glob("*-profile-flashqla-s2.md")).read_text()
+    assert "dp0_pp0_tp0" in md and "dp0_pp0_tp1" in md
