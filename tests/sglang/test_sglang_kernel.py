@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import max_rel_err, verify_ref
 
+from qla_serving.constants import MAX_DECODE_TOKENS
 from qla_serving.ops.gated_delta_rule.naive import (
     gdn_gate_ref,
     recurrent_decode_ref,
@@ -371,7 +372,7 @@ def test_target_verify_hands_unsupported_drafts_to_fallback(case):
 
     fallback = RecordingKernel()
     kernel = FlashQLAGDNKernel(fallback=fallback, phases={"verify"})
-    N, T = 2, 9 if case == "too_many_tokens" else 3
+    N, T = 2, MAX_DECODE_TOKENS + 1 if case == "too_many_tokens" else 3
     q, k, v, a, b, A_log, dt_bias = verify_inputs(N, T)
     qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32)
     if case == "ragged":
