@@ -41,6 +41,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculat
 
 import qla_serving
 from qla_serving import backend
+from qla_serving.constants import MAX_DECODE_TOKENS
 from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
 
 from . import support, warmup
@@ -151,14 +152,18 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         )
         if reason is not None:
             return reason
+        spec = vllm_config.speculative_config
+        num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
+        if num_spec + 1 > MAX_DECODE_TOKENS:
+            return (f"{num_spec} speculative tokens verify {num_spec + 1} tokens per sequence; the decode op "
+                    f"takes 1 to {MAX_DECODE_TOKENS}")
         # every kernel the layer will call: in a precompiled library, or TileLang to compile it.
         # vLLM creates A_log in float32 and dt_bias in the model dtype.
         tp = vllm_config.parallel_config.tensor_parallel_size
-        spec = vllm_config.speculative_config
         dtype = vllm_config.model_config.dtype
         return backend.missing_kernels_reason(warmup.kernel_specs(
             config.linear_num_key_heads // tp, config.linear_num_value_heads // tp, dtype, state_dtype,
-            torch.float32, dtype, spec.num_speculative_tokens if spec is not None else 0))
+            torch.float32, dtype, num_spec))
 
     def get_attn_backend(self):
         """vLLM's GDN backend whose metadata builder also plans qla-serving's prefill."""

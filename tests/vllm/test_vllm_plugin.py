@@ -267,3 +267,31 @@ def test_a_configuration_no_library_holds_falls_back_without_tilelang(flashqla_c
             build_gdn_layer(flashqla_config)
     finally:
         library.reset()
+
+
+def test_more_speculative_tokens_than_the_decode_op_takes_fall_back(flashqla_config, distributed, monkeypatch,
+                                                                    caplog):
+    """Verify runs num_speculative_tokens + 1 tokens per sequence through the decode op: past its
+    limit the layer stays vLLM's, with one warning naming the limit (an error under QLA_STRICT)."""
+    import types
+
+    from qla_serving import backend
+    from qla_serving.constants import MAX_DECODE_TOKENS
+    from qla_serving.integrations.vllm import support
+    from qla_serving.integrations.vllm.layer import QlaGatedDeltaNetAttention
+
+    monkeypatch.delenv("QLA_FORCE_REFERENCE", raising=False)
+    monkeypatch.setattr(support, "unsupported_reason", lambda *a: None)
+    checked = []
+    monkeypatch.setattr(backend, "missing_kernels_reason", lambda specs: checked.append(specs))
+    support._warned.clear()
+    k = MAX_DECODE_TOKENS
+    monkeypatch.setattr(flashqla_config, "speculative_config", types.SimpleNamespace(num_speculative_tokens=k))
+    with caplog.at_level(logging.WARNING):
+        layer = build_gdn_layer(flashqla_config)
+    assert type(layer) is QlaGatedDeltaNetAttention and not layer.qla_active and not checked
+    msgs = [r.getMessage() for r in caplog.records if "speculative tokens" in r.getMessage()]
+    assert len(msgs) == 1 and f"{k} speculative tokens verify {k + 1} tokens per sequence" in msgs[0]
+    monkeypatch.setattr(flashqla_config, "speculative_config", types.SimpleNamespace(num_speculative_tokens=k - 1))
+    layer = build_gdn_layer(flashqla_config)
+    assert layer.qla_active and checked[-1][-1][0] == f"verify T={k}"
