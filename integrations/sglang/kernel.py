@@ -614,9 +614,12 @@ def bind_to_runner(kernel: FlashQLAGDNKernel, dispatcher, attn_backend, model_ru
 
 
 def _draft_tokens(model_runner) -> int | None:
+    """Tokens per sequence our verify kernel will take, or None: no speculative decoding, or more
+    draft tokens than the decode op takes (each such verify goes to SGLang's triton kernel, logged
+    at the call; nothing to compile for it at start)."""
     args = getattr(model_runner, "server_args", None)
     n = getattr(args, "speculative_num_draft_tokens", None)
-    return int(n) if n else None
+    return int(n) if n and int(n) <= MAX_DECODE_TOKENS else None
 
 
 __all__ = ["BatchPlan", "FlashQLAGDNKernel", "bind_to_runner"]

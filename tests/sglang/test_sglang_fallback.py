@@ -208,6 +208,23 @@ def test_head_counts_are_the_ranks_at_every_tp(dispatcher, monkeypatch, total_k,
     assert label == "prefill" and (kwargs["num_qk_heads"], kwargs["num_v_heads"]) == (total_k // tp, total_v // tp)
 
 
+def test_more_draft_tokens_than_the_decode_op_takes_compile_no_verify(dispatcher, monkeypatch):
+    from qla_serving.constants import MAX_DECODE_TOKENS
+    from qla_serving.integrations.sglang import warmup
+    from qla_serving.integrations.sglang.kernel import bind_to_runner
+    from qla_serving.integrations.sglang.patch import our_kernel
+
+    monkeypatch.setattr(qla_backend, "device_unsupported_reason", lambda device: None)
+    checked = []
+    monkeypatch.setattr(qla_backend, "missing_kernels_reason", lambda specs: checked.append(specs) and None)
+    monkeypatch.setattr(warmup, "warmup_kernels", lambda **cfg: 0)
+    for drafts, verify in ((MAX_DECODE_TOKENS, [f"verify T={MAX_DECODE_TOKENS}"]), (MAX_DECODE_TOKENS + 1, [])):
+        checked.clear()
+        assert bind_to_runner(our_kernel(dispatcher), dispatcher, gdn_backend_with(dispatcher),
+                              runner(draft_tokens=drafts)) is None
+        assert [s[0] for s in checked[0] if s[0].startswith("verify")] == verify
+
+
 def test_force_reference_keeps_our_kernel(dispatcher, monkeypatch):
     from qla_serving.integrations.sglang.kernel import bind_to_runner
     from qla_serving.integrations.sglang.patch import our_kernel
