@@ -144,6 +144,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             if spec is not None:
                 break
         else:
+            self.callbacks[name] = callbacks  # not found (the import fails): a later import still runs them
             return None
         loader = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):

@@ -295,3 +295,25 @@ def test_more_speculative_tokens_than_the_decode_op_takes_fall_back(flashqla_con
     monkeypatch.setattr(flashqla_config, "speculative_config", types.SimpleNamespace(num_speculative_tokens=k - 1))
     layer = build_gdn_layer(flashqla_config)
     assert layer.qla_active and checked[-1][-1][0] == f"verify T={k}"
+
+
+def test_after_import_keeps_its_callbacks_through_an_import_that_fails(tmp_path, monkeypatch):
+    """A watched module that no finder finds yet (its import raises) keeps its callbacks: they run
+    at the import that succeeds."""
+    import importlib
+    import sys
+
+    from qla_serving.integrations.vllm import compat
+
+    name = "qla_after_import_probe"
+    seen = []
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    compat.after_import(name, lambda module: seen.append(module.VALUE))
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(name)
+    (tmp_path / f"{name}.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    importlib.import_module(name)
+    assert seen == [7]
+    monkeypatch.delitem(sys.modules, name)
