@@ -1,6 +1,6 @@
 """Fused gated-delta-rule decode step for SM90, in TileLang.
 
-One launch does, for every sequence ``n`` and value head ``hv``, ``T`` (1..8) recurrent steps
+One launch does, for every sequence ``n`` and value head ``hv``, ``T`` (1..16) recurrent steps
 on the state ``S = pool[state_indices[n], hv]`` (``V x K``, the engines' layout):
 
     g    = -exp(A_log) * softplus(a + dt_bias)        beta = sigmoid(b)
@@ -35,6 +35,12 @@ writes 64 KiB of fp32 state for ~1 MFLOP), so the kernel is laid out for bandwid
 The pool is passed as a flat 1-D view with the slot stride as a run-time scalar (in units of
 one 16-byte vector, so the compiler can prove the vector loads aligned): vLLM's pool is a
 view whose slot stride exceeds ``HV * V * K`` (it shares a buffer with the conv state).
+The activations come with run-time token strides (q and k as ``[rows, H, K]`` with a token every
+``stride`` rows, v, a and b as flat views): q, k and v may be the column ranges of the engine's
+packed ``[tokens, (2H + HV) * 128]`` conv output and a, b the columns of its packed gate
+projection, read in place (no split copies before the kernel).
+Rows whose slot is below the run-time ``min_slot`` are padding (``-1`` by default; vLLM's null
+block 0 with ``min_slot = 1``).
 
 The number of sequences ``N`` is a run-time value; a kernel exists once per static
 configuration (head counts, T, dtypes, flags, tile): loaded from a precompiled library
@@ -118,6 +124,8 @@ def _build(cfg: DecodeStaticConfig):
     group = HV // H
     acc = "float32"
     N = T.dynamic("N")
+    q_rows, k_rows, v_len = T.dynamic("q_rows"), T.dynamic("k_rows"), T.dynamic("v_len")
+    a_len, b_len = T.dynamic("a_len"), T.dynamic("b_len")
     pool_len = T.dynamic("pool_len")
     inter_len = T.dynamic("inter_len")
 
@@ -126,26 +134,31 @@ def _build(cfg: DecodeStaticConfig):
         return i * (LANES * vec) + gl * vec + j
 
     @T.macro
-    def load_token(q, k, v, a, b, kk, qq, vv, ab, n, t, hv, hq, gl, row0):
+    def load_token(q, k, v, a, b, kk, qq, vv, ab, tok, hv, hq, gl, row0, strides):
         # Every activation of one token, issued together and before any arithmetic: ptxas does
         # not move loads across the branches of log1p, so loads placed after the gate would
-        # add their latency to every CTA's critical path.
+        # add their latency to every CTA's critical path. q and k are [rows, H, K] with a token
+        # every strides[0] (strides[1]) rows; the int32 strides keep the index arithmetic one
+        # the vectoriser proves aligned (with int64 strides it halves the q/k loads).
+        q_row = tok * strides[0]
+        k_row = tok * strides[1]
+
         for i in T.unroll(nvec):
             for j in T.vectorized(vec):
-                kk[i * vec + j] = T.cast(k[n, t, hq, col(i, j, gl)], acc)
-                qq[i * vec + j] = T.cast(q[n, t, hq, col(i, j, gl)], acc)
+                kk[i * vec + j] = T.cast(k[k_row, hq, col(i, j, gl)], acc)
+                qq[i * vec + j] = T.cast(q[q_row, hq, col(i, j, gl)], acc)
         for r in T.unroll(R):
-            vv[r] = T.cast(v[n, t, hv, row0 + r * rows_per_pass], acc)
-        ab[0] = T.cast(a[n, t, hv], acc)
-        ab[1] = T.cast(b[n, t, hv], acc)
+            vv[r] = T.cast(v[tok * strides[2] + hv * V + row0 + r * rows_per_pass], acc)
+        ab[0] = T.cast(a[tok * strides[3] + hv], acc)
+        ab[1] = T.cast(b[tok * strides[4] + hv], acc)
 
     @T.prim_func
     def gdn_decode(
-        q: T.Tensor((N, T_tok, H, K), q_dtype),
-        k: T.Tensor((N, T_tok, H, K), q_dtype),
-        v: T.Tensor((N, T_tok, HV, V), q_dtype),
-        a: T.Tensor((N, T_tok, HV), ab_dtype),
-        b: T.Tensor((N, T_tok, HV), ab_dtype),
+        q: T.Tensor((q_rows, H, K), q_dtype),
+        k: T.Tensor((k_rows, H, K), q_dtype),
+        v: T.Tensor((v_len,), q_dtype),
+        a: T.Tensor((a_len,), ab_dtype),
+        b: T.Tensor((b_len,), ab_dtype),
         A_log: T.Tensor((HV,), alog_dtype),
         dt_bias: T.Tensor((HV,), bias_dtype),
         pool: T.Tensor((pool_len,), pool_dtype),
@@ -153,6 +166,12 @@ def _build(cfg: DecodeStaticConfig):
         o: T.Tensor((N, T_tok, HV, V), q_dtype),
         inter: T.Tensor((inter_len,), pool_dtype),
         slot_stride_vec: T.int64,
+        q_stride: T.int32,
+        k_stride: T.int32,
+        v_stride: T.int32,
+        a_stride: T.int32,
+        b_stride: T.int32,
+        min_slot: T.int64,
         scale: T.float32,
     ):
         with T.Kernel(V // rows_per_cta, HV, N, threads=threads) as (bv, hv, n):
@@ -173,16 +192,19 @@ def _build(cfg: DecodeStaticConfig):
             red = T.alloc_local((2,), acc)
             gate = T.alloc_local((2,), acc)  # exp(g), beta of the current token
             slot = T.cast(state_indices[n], "int64")
+            live = slot >= min_slot
+            strides = (q_stride, k_stride, v_stride, a_stride, b_stride)
+            tok0 = n * T_tok
             hq = hv // group
-            # Nothing before the state loads depends on the slot, and padded rows (slot -1) run the
-            # same arithmetic on a zero state with every store masked: the activation loads then
+            # Nothing before the state loads depends on the slot, and padded rows (slot < min_slot) run
+            # the same arithmetic on a zero state with every store masked: the activation loads then
             # have uses on every path, so the compiler issues them together with the index load
             # instead of sinking them behind the slot test, and each CTA waits for memory once.
             par[0] = T.cast(A_log[hv], acc)
             par[1] = T.cast(dt_bias[hv], acc)
-            load_token(q, k, v, a, b, kk, qq, vv, ab, n, 0, hv, hq, gl, row0)
+            load_token(q, k, v, a, b, kk, qq, vv, ab, tok0, hv, hq, gl, row0, strides)
             base = slot * slot_stride_vec * vec + T.cast(hv * (V * K), "int64")
-            if slot >= 0:
+            if live:
                 for r in T.unroll(R):
                     for i in T.unroll(nvec):
                         for j in T.vectorized(vec):
@@ -234,9 +256,9 @@ def _build(cfg: DecodeStaticConfig):
                         red[1] += T.shfl_xor(red[1], 1 << s)
                     if gl == 0:
                         # Padded rows: zero output.
-                        o[n, t, hv, row] = T.cast(T.if_then_else(slot >= 0, red[1], 0.0), q_dtype)
+                        o[n, t, hv, row] = T.cast(T.if_then_else(live, red[1], 0.0), q_dtype)
                     if has_inter:  # noqa: SIM102 (build-time flag around a run-time test)
-                        if slot >= 0:
+                        if live:
                             ibase = ((T.cast(n, "int64") * T_tok + t) * HV + hv) * (V * K)
                             for i in T.unroll(nvec):
                                 for j in T.vectorized(vec):
@@ -245,7 +267,7 @@ def _build(cfg: DecodeStaticConfig):
                                     )
                     if streaming:
                         # The only token: the row goes back to the pool as soon as it is done.
-                        if slot >= 0:
+                        if live:
                             for i in T.unroll(nvec):
                                 for j in T.vectorized(vec):
                                     pool[base + row * K + col(i, j, gl)] = T.cast(
@@ -256,9 +278,9 @@ def _build(cfg: DecodeStaticConfig):
                             S[r, e] = row_acc[e]
                 if T_tok > 1:  # noqa: SIM102 (a build-time condition around a run-time one)
                     if t + 1 < T_tok:
-                        load_token(q, k, v, a, b, kk, qq, vv, ab, n, t + 1, hv, hq, gl, row0)
+                        load_token(q, k, v, a, b, kk, qq, vv, ab, tok0 + t + 1, hv, hq, gl, row0, strides)
             if inplace and not streaming:  # noqa: SIM102 (build-time flag around a run-time test)
-                if slot >= 0:
+                if live:
                     for r in T.unroll(R):
                         for i in T.unroll(nvec):
                             for j in T.vectorized(vec):
@@ -361,7 +383,7 @@ def warmup(
     (a model may keep ``A_log`` in float32 and ``dt_bias`` in bf16).
 
     Args:
-        H, HV: q/k heads and value heads. T: tokens per sequence (1..8).
+        H, HV: q/k heads and value heads. T: tokens per sequence (1..16).
         dtype: q/k/v dtype (bf16 or fp16). pool_dtype: float32 or bfloat16.
         gate_dtype: dtype of A_log. bias_dtype: dtype of dt_bias (default: gate_dtype).
         ab_dtype: dtype of a and b (default: dtype). index_dtype: int32 or int64.
@@ -401,6 +423,19 @@ def _flat(x: torch.Tensor, span: int) -> torch.Tensor:
     return torch.as_strided(x, (span,), (1,))
 
 
+def _token_rows(x: torch.Tensor, name: str, inner: tuple[int, ...]) -> int:
+    """The token stride of ``x`` (``[N, T, *inner]``, ``inner`` contiguous, the ``N x T`` tokens one
+    stride apart)."""
+    N, T_tok = x.shape[0], x.shape[1]
+    st = x.stride()
+    assert st[-1] == 1 and (len(inner) == 1 or inner[0] == 1 or st[-2] == inner[-1]), (
+        f"{name}: inner dims not contiguous, strides {st}")
+    if T_tok > 1:
+        assert N == 1 or st[0] == T_tok * st[1], f"{name}: tokens not one stride apart, strides {st}"
+        return st[1]
+    return st[0] if N > 1 else 0
+
+
 def gated_delta_rule_decode_fwd(
     q,
     k,
@@ -417,24 +452,31 @@ def gated_delta_rule_decode_fwd(
     out,
     intermediate_states=None,
     inplace_final_state: bool = True,
+    min_slot: int = 0,
 ) -> None:
     """Run the fused decode step (kernel entry point; the op layer validates the inputs).
 
     Args:
-        q, k: ``[N, T, H, K]`` bf16/fp16, contiguous; K = 128; T = 1..8 tokens per sequence.
-        v: ``[N, T, HV, V]`` q's dtype, contiguous; V = 128; ``HV % H == 0`` and value head
-            ``hv`` reads q/k head ``hv // (HV // H)``.
-        a, b: ``[N, T, HV]`` contiguous, bf16/fp16/fp32 — gate inputs (decay, write strength).
+        q, k: ``[N, T, H, K]`` bf16/fp16; K = 128; T = 1..16 tokens per sequence. ``[H, K]``
+            contiguous per token, the ``N * T`` tokens one stride apart, that stride a multiple
+            of ``H * K`` and the data pointer of 16 bytes: a contiguous tensor, or q's and k's
+            column ranges of a packed ``[tokens, (2H + HV) * K]`` buffer.
+        v: ``[N, T, HV, V]`` q's dtype, ``[HV, V]`` contiguous per token, tokens one stride
+            apart; V = 128; ``HV % H == 0`` and value head ``hv`` reads q/k head ``hv // (HV // H)``.
+        a, b: ``[N, T, HV]`` bf16/fp16/fp32 — gate inputs (decay, write strength); ``HV``
+            contiguous per token, tokens one stride apart.
         A_log, dt_bias: ``[HV]`` float32 (bf16/fp16 accepted).
         state_pool: ``[num_slots, HV, V, K]`` float32 or bfloat16; ``[HV, V, K]`` contiguous,
             slot stride ``stride(0) >= HV*V*K`` (a multiple of 16 bytes); updated in place.
-        state_indices: ``[N]`` int32/int64 on the device; ``-1`` skips the row (state untouched,
-            output rows zero). Other values must be valid distinct slots (not checked here).
+        state_indices: ``[N]`` int32/int64 on the device; a value below ``min_slot`` skips the
+            row (state untouched, output rows zero). Other values must be valid distinct slots
+            (not checked here).
         scale: output scale. use_qk_l2norm: L2-normalise q and k (eps 1e-6 inside the sqrt).
         out: ``[N, T, HV, V]`` q's dtype, contiguous — receives the output.
         intermediate_states: None or ``[N, T, HV, V, K]`` in the pool dtype, contiguous —
             receives the state after each token (rows of padded sequences are not written).
         inplace_final_state: write the state after the last token back to the pool.
+        min_slot: the lowest slot number of a live row (0: ``-1`` marks padding).
 
     No host synchronisation and no allocation: CUDA-graph capturable once the configuration
     is compiled (call :func:`warmup` or run once before capture).
@@ -455,6 +497,15 @@ def gated_delta_rule_decode_fwd(
         inter_flat = pool_flat  # unused by the kernel compiled without intermediates
     if N == 0:
         return
+    tokens = N * T_tok
+    strides = [_token_rows(x, name, inner) for x, name, inner in
+               ((q, "q", (H, K)), (k, "k", (H, K)), (v, "v", (HV, V)), (a, "a", (HV,)), (b, "b", (HV,)))]
+    for x, stride in ((q, strides[0]), (k, strides[1])):
+        assert x.data_ptr() % 16 == 0 and stride % (H * K) == 0, "q/k tokens must start at multiples of H*K"
+    assert max(strides) < 2**31
+    q_k = [torch.as_strided(x, ((tokens - 1) * (st // (H * K)) + 1, H, K), (H * K, K, 1))
+           for x, st in ((q, strides[0]), (k, strides[1]))]
+    v_a_b = [_flat(x, (tokens - 1) * st + w) for x, st, w in zip((v, a, b), strides[2:], (HV * V, HV, HV))]
     key = _key(
         H,
         HV,
@@ -472,11 +523,8 @@ def gated_delta_rule_decode_fwd(
     )
     kernel = _get_kernel(key)
     kernel(
-        q,
-        k,
-        v,
-        a,
-        b,
+        *q_k,
+        *v_a_b,
         A_log,
         dt_bias,
         pool_flat,
@@ -484,6 +532,12 @@ def gated_delta_rule_decode_fwd(
         out,
         inter_flat,
         slot_stride // vec,
+        strides[0] // (H * K),
+        strides[1] // (H * K),
+        strides[2],
+        strides[3],
+        strides[4],
+        int(min_slot),
         float(scale),
     )
 

@@ -76,7 +76,12 @@ def run_case(
     l2=True,
     idx_dtype=torch.int32,
     gate_dtype=torch.float32,
+    packed=False,
+    null_slot=False,
 ):
+    """``packed``: q, k, v as column ranges of one ``[N*T, (2H + 2HV) K]`` buffer (vLLM's qkvz
+    projection layout) and a, b as the halves of one ``[N*T, 2HV]`` buffer, read in place.
+    ``null_slot``: padded rows point at slot 0 (vLLM's null block) with ``min_slot=1`` instead of -1."""
     dec = _fwd()
     if COMPILE_ONLY:  # the kernel this case launches (see the module docstring), nothing else
         tile = dec._tile_for(N * HV, pool_dtype)
@@ -87,13 +92,25 @@ def run_case(
         return
     num_slots = N + 3
     q, k, v, a, b, A_log, dt_bias = make_inputs(N, T, H, HV, act, gate_dtype, l2)
+    if packed:
+        qkvz = torch.randn(N * T, (2 * H + 2 * HV) * K, device="cuda").to(act)
+        ba = torch.randn(N * T, 2 * HV, device="cuda").to(act)
+        cols = [H * K, H * K, HV * V]
+        views = qkvz[:, : sum(cols)].split(cols, dim=-1)
+        for view, x in zip(views, (q, k, v)):
+            view.copy_(x.reshape(N * T, -1))
+        q, k, v = views[0].view(N, T, H, K), views[1].view(N, T, H, K), views[2].view(N, T, HV, V)
+        ba[:, :HV], ba[:, HV:] = b.reshape(N * T, HV), a.reshape(N * T, HV)
+        b, a = (x.view(N, T, HV) for x in ba.chunk(2, dim=-1))
+        assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous() or a.is_contiguous())
     buf, pool = make_pool(num_slots, HV, pool_dtype, gap)
     before = buf.clone()
-    slots = torch.randperm(num_slots, device="cuda")[:N]
+    first = 1 if null_slot else 0
+    slots = torch.randperm(num_slots - first, device="cuda")[:N] + first
     if pad:
-        slots[torch.randperm(N, device="cuda")[:pad]] = -1
+        slots[torch.randperm(N, device="cuda")[:pad]] = 0 if null_slot else -1
     idx = slots.to(idx_dtype)
-    live = slots >= 0
+    live = slots >= first
     out = torch.full((N, T, HV, V), float("nan"), device="cuda", dtype=act)
     inter_buf = torch.full((N, T, HV, V, K), float("nan"), device="cuda", dtype=pool_dtype) if inter else None
     scale = K**-0.5
@@ -113,6 +130,7 @@ def run_case(
         out=out,
         intermediate_states=inter_buf,
         inplace_final_state=inplace,
+        min_slot=first,
     )
     torch.cuda.synchronize()
     o_ref, states_ref = recurrent_decode_ref(
@@ -165,6 +183,16 @@ def test_verify_leaves_pool_alone(pool_dtype):
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_padded_rows_and_strided_pool(pool_dtype):
     run_case(N=40, T=1, H=16, HV=32, pool_dtype=pool_dtype, pad=13, gap=4 * 1024 + 8)
+
+
+@gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,inter,inplace", [(1, False, True), (4, True, False)])
+def test_packed_views_and_null_slot(pool_dtype, T, inter, inplace):
+    """vLLM's decode: q/k/v/a/b read in place from the packed conv output and gate projection,
+    padded rows on its null slot 0 (``min_slot=1``); and its verify (T = 4, intermediates)."""
+    run_case(N=37, T=T, H=4, HV=16, pool_dtype=pool_dtype, pad=5, gap=1024, inter=inter, inplace=inplace,
+             packed=True, null_slot=True)
 
 
 @gpu

@@ -130,6 +130,51 @@ def test_decode_matches_oracle(T, pool_dtype):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_reads_packed_views_with_null_slot(T):
+    """q, k, v as column ranges of one packed [tokens, (2H + HV) K] buffer and a, b as columns of a
+    packed gate projection (the engines' conv output and in_proj_ba), with vLLM's null slot 0 as
+    padding (min_slot=1): the same result as contiguous inputs with -1 padding."""
+    N, H, HV, K = 4, 2, 4, 16
+    D = (2 * H + HV) * K
+    packed = torch.randn(N * T, D + HV * K)  # extra columns: the z part of vLLM's qkvz split
+    ab = torch.randn(N * T, 2 * HV)
+    q, k, v = (packed[:, :H * K].view(N, T, H, K), packed[:, H * K:2 * H * K].view(N, T, H, K),
+               packed[:, 2 * H * K:D].view(N, T, HV, K))
+    b, a = (x.reshape(N, T, HV) for x in ab.chunk(2, dim=-1))
+    assert not q.is_contiguous() and not a.is_contiguous()
+    assert qla_serving.ops.gated_delta_rule.checks.token_rows(q, (H, K), H * K)
+    A_log, dt_bias = torch.empty(HV).uniform_(-4, 1.5), torch.randn(HV)
+    pool = torch.randn(6, HV, K, K)
+    before = pool.clone()
+    null_padded = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
+    o = qla_serving.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, null_padded, min_slot=1)
+    ref_pool = before.clone()
+    o_c = qla_serving.gated_delta_rule_decode(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
+                                              b.contiguous(), A_log, dt_bias, ref_pool,
+                                              torch.tensor([3, -1, 5, 1], dtype=torch.int32))
+    # (the CPU reference's float32 matmuls may round differently on strided operands)
+    assert rel_err(o, o_c) <= 1e-6 and rel_err(pool, ref_pool) <= 1e-6
+    assert torch.equal(pool[0], before[0])  # the null slot is padding: never read into a row, never written
+    live = torch.tensor([True, False, True, True])
+    _, s_r = recurrent_decode_ref(q, k, v, a, b, A_log, dt_bias, before[[3, 0, 5, 1]].double())
+    assert rel_err(pool[[3, 5, 1]], s_r[live, -1]) <= TOL
+
+
+def test_decode_copies_inputs_it_cannot_read_in_place():
+    N, H, HV, K = 3, 2, 2, 16
+    q, k = torch.randn(N, 1, K, H).transpose(-1, -2), torch.randn(N, 1, H, K)  # q: K-major heads
+    v, a, b = torch.randn(N, 1, HV, K), torch.randn(N, 1, HV), torch.randn(N, 1, HV)
+    A_log, dt_bias = torch.zeros(HV), torch.zeros(HV)
+    assert not qla_serving.ops.gated_delta_rule.checks.token_rows(q, (H, K), H * K)
+    pool = torch.randn(4, HV, K, K)
+    pool2 = pool.clone()
+    o = qla_serving.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, torch.tensor([2, 0, 1]))
+    o_c = qla_serving.gated_delta_rule_decode(q.contiguous(), k, v, a, b, A_log, dt_bias, pool2,
+                                              torch.tensor([2, 0, 1]))
+    assert torch.equal(o, o_c) and torch.equal(pool, pool2)
+
+
 def test_decode_single_token_shape_and_no_inplace():
     N, H, HV, K = 3, 1, 2, 16
     q, k, v = torch.randn(N, H, K), torch.randn(N, H, K), torch.randn(N, HV, K)

@@ -399,12 +399,14 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         H, K = q.shape[-2], q.shape[-1]
         HV, V = v.shape[-2], v.shape[-1]
         B = cache_indices.shape[0]
+        # Views of SGLang's split conv output are read in place (the op copies only a layout its
+        # kernel cannot read).
         o = gated_delta_rule_decode(
-            q.reshape(B, H, K).contiguous(),
-            k.reshape(B, H, K).contiguous(),
-            v.reshape(B, HV, V).contiguous(),
-            a.reshape(B, HV).contiguous(),
-            b.reshape(B, HV).contiguous(),
+            q.reshape(B, H, K),
+            k.reshape(B, H, K),
+            v.reshape(B, HV, V),
+            a.reshape(B, HV),
+            b.reshape(B, HV),
             A_log,
             dt_bias,
             state_pool=ssm_states,
@@ -508,11 +510,11 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             # so the rows are the buffer's first N: write them directly, no scatter.
             inter = intermediate_states_buffer[:N]
         o = gated_delta_rule_decode(
-            q.reshape(N, T, H, K).contiguous(),
-            k.reshape(N, T, H, K).contiguous(),
-            v.reshape(N, T, HV, V).contiguous(),
-            a.reshape(N, T, HV).contiguous(),
-            b.reshape(N, T, HV).contiguous(),
+            q.reshape(N, T, H, K),
+            k.reshape(N, T, H, K),
+            v.reshape(N, T, HV, V),
+            a.reshape(N, T, HV),
+            b.reshape(N, T, HV),
             A_log,
             dt_bias,
             state_pool=ssm_states,

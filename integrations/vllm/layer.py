@@ -46,7 +46,7 @@ from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
 
 from . import support, warmup
 from .args import BACKEND_NAME, CONFIG_KEY, flashqla_requested
-from .metadata import QlaGDNAttentionBackend, QlaGDNAttentionMetadata, qla_state_slots
+from .metadata import VLLM_NULL_BLOCK_ID, QlaGDNAttentionBackend, QlaGDNAttentionMetadata
 
 logger = logging.getLogger("vllm.qla_serving")
 
@@ -235,21 +235,17 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             end = nd + md.num_prefill_tokens
             (x_d, x_p), (a_d, a_p), (b_d, b_p) = (_rows(t, nd, end) for t in (qkv_ns, a_ns, b_ns))
             if peel_decodes:
-                slots = getattr(md, "qla_decode_state_indices", None)  # mapped once per step
-                if slots is None:
-                    slots = qla_state_slots(md.non_spec_state_indices_tensor[: md.num_decodes])
-                self._qla_decode(x_d, a_d, b_d, ssm_state, slots, core_attn_out[:nd])
+                self._qla_decode(x_d, a_d, b_d, ssm_state, md.non_spec_state_indices_tensor[: md.num_decodes],
+                                 core_attn_out[:nd])
             # (outputs are written in place: plain slices, taken as they are written)
             out = core_attn_out[nd:end] if not spec else None
             o_ns = self._qla_prefill(x_p, a_p, b_p, ssm_state, md, out)
         elif md.num_decodes > 0:
-            # Pure decode: in serving a FULL CUDA graph replays this, so the slot mapping stays in
-            # the layer (captured, reading vLLM's persistent index buffer) rather than in a tensor
-            # the builder would make anew every step.
+            # Pure decode: in serving a FULL CUDA graph replays this (two kernels per layer: vLLM's
+            # conv update, then our decode reading the conv output and vLLM's slots in place).
             nd = md.num_decode_tokens
             x_d, a_d, b_d = (_rows(t, 0, nd)[1] for t in (qkv_ns, a_ns, b_ns))
-            self._qla_decode(x_d, a_d, b_d, ssm_state, qla_state_slots(md.non_spec_state_indices_tensor[:nd]),
-                             core_attn_out[:nd])
+            self._qla_decode(x_d, a_d, b_d, ssm_state, md.non_spec_state_indices_tensor[:nd], core_attn_out[:nd])
 
         if spec:
             if only_spec:
@@ -322,6 +318,15 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     # --------------------------------------------------------------- recurrence
 
+    def _qkv_views(self, x, *rows):
+        """``[L, qkv_dim]`` (the conv output, any row stride) -> q, k ``[*rows, H, K]`` and v
+        ``[*rows, HV, V]`` as views of it: the decode op reads them in place."""
+        rows = rows or (x.shape[0],)
+        H, HV = self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size
+        K, V = self.head_k_dim, self.head_v_dim
+        q, k, v = x.split_with_sizes([H * K, H * K, HV * V], dim=-1)
+        return q.view(*rows, H, K), k.view(*rows, H, K), v.view(*rows, HV, V)
+
     def _split_qkv(self, x, *rows):
         """``[L, qkv_dim]`` -> contiguous q, k ``[*rows, H, K]`` and v ``[*rows, HV, V]``
         (``rows``: ``L`` when not given): one copy each. vLLM's ``rearrange_mixed_qkv`` copies
@@ -366,15 +371,15 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         return q, k, v, g, beta, True
 
     def _qla_decode(self, x, a, b, ssm_state, slots, out) -> None:
-        """One token per row, state read and written in place at ``slots`` (qla-serving's: ``-1``
-        for a padded row, see :func:`qla_state_slots`). The op gets the ``[N, 1, ...]`` form it
-        runs (no per-tensor unsqueeze and squeeze in it)."""
+        """One token per row, state read and written in place at ``slots`` (vLLM's: its null
+        block marks a padded row). q, k, v, a and b are read where vLLM left them (views, no
+        copies); the op gets the ``[N, 1, ...]`` form it runs."""
         N = x.shape[0]
-        q, k, v = self._split_qkv(x, N, 1)
+        q, k, v = self._qkv_views(x, N, 1)
         qla_serving.gated_delta_rule_decode(
-            q, k, v, a.contiguous().view(N, 1, -1), b.contiguous().view(N, 1, -1), self.A_log, self.dt_bias,
+            q, k, v, a.view(N, 1, -1), b.view(N, 1, -1), self.A_log, self.dt_bias,
             ssm_state, slots, scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True,
-            out=out.view(N, 1, *out.shape[1:]),
+            out=out.view(N, 1, *out.shape[1:]), min_slot=VLLM_NULL_BLOCK_ID + 1,
         )
 
     def _qla_spec_decode(self, x, a, b, ssm_state, md):
@@ -394,16 +399,15 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             )
         # Tokens past rows * T are CUDA-graph padding of the batch.
         x, a, b = x[: rows * T], a[: rows * T], b[: rows * T]
-        q, k, v = self._split_qkv(x, rows, T)
+        q, k, v = self._qkv_views(x, rows, T)
         K, HV, V = q.shape[3], v.shape[2], v.shape[3]
         read_col = (md.num_accepted_tokens[:rows].long() - 1).clamp(min=0)
-        read = qla_state_slots(slots.gather(1, read_col.unsqueeze(1)).squeeze(1))
+        read = slots.gather(1, read_col.unsqueeze(1)).squeeze(1)
         states = torch.empty(rows, T, HV, V, K, dtype=ssm_state.dtype, device=ssm_state.device)
         o = qla_serving.gated_delta_rule_decode(
-            q, k, v,
-            a.contiguous().view(rows, T, HV), b.contiguous().view(rows, T, HV), self.A_log, self.dt_bias,
+            q, k, v, a.view(rows, T, HV), b.view(rows, T, HV), self.A_log, self.dt_bias,
             ssm_state, read, scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True,
-            intermediate_states=states, inplace_final_state=False,
+            intermediate_states=states, inplace_final_state=False, min_slot=VLLM_NULL_BLOCK_ID + 1,
         )
         # Padded rows carry NULL_BLOCK_ID slots: their (unwritten) states land in vLLM's null block.
         ssm_state.index_copy_(0, slots.reshape(-1).long(), states.view(rows * T, HV, V, K))

@@ -41,10 +41,6 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
             rows the plan keeps, or None when it keeps them all.
         qla_spec_uniform: with speculative rows, whether every one has ``num_spec + 1``
             tokens (host-side, so the layer knows without a sync); None without them.
-        qla_decode_state_indices: ``[num_decodes]`` int32 on the device — in a step with
-            prefills and (non-speculative) decodes, the decodes' pool slots with vLLM's null
-            block as ``-1``: mapped once per step, not in every layer. None otherwise (a pure
-            decode step maps them in the layer, where vLLM's FULL CUDA graph captures it).
     """
 
     qla_plan: PrefillPlan | None = None
@@ -52,7 +48,6 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
     qla_prefill_has_initial_state: torch.Tensor | None = None
     qla_prefill_rows: torch.Tensor | None = None
     qla_spec_uniform: bool | None = None
-    qla_decode_state_indices: torch.Tensor | None = None
 
 
 def prefill_query_lens_cpu(
@@ -82,14 +77,9 @@ def prefill_query_lens_cpu(
     return lens[num_decodes:]
 
 
-# vLLM marks a padded row's state slot with NULL_BLOCK_ID (0, a block no request owns);
-# qla-serving's decode marks it with -1.
+# vLLM marks a padded row's state slot with NULL_BLOCK_ID (0, a block no request owns): the
+# layer hands the decode op its slots as they are, with every slot below 1 a padded row.
 VLLM_NULL_BLOCK_ID = 0
-
-
-def qla_state_slots(state_indices: torch.Tensor) -> torch.Tensor:
-    """vLLM's state slots with its null block (a padded row) as qla-serving's ``-1``."""
-    return torch.where(state_indices > VLLM_NULL_BLOCK_ID, state_indices, -1)
 
 
 _last_plan: tuple[tuple, PrefillPlan] | None = None
@@ -146,9 +136,6 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         out = QlaGDNAttentionMetadata(**fields)
         if md.num_prefills > 0:
             self._attach_plan(out, common_attn_metadata, num_decode_draft_tokens_cpu)
-            if md.num_decodes > 0 and md.spec_sequence_masks is None:
-                decode_slots = md.non_spec_state_indices_tensor[: md.num_decodes]
-                out.qla_decode_state_indices = qla_state_slots(decode_slots)
         if md.spec_sequence_masks is not None:
             m = common_attn_metadata
             mask = self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)
@@ -208,8 +195,6 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             idx = new.prefill_state_indices
             new.qla_prefill_state_indices = idx if new.qla_prefill_rows is None else idx.index_select(
                 0, new.qla_prefill_rows)
-        if isinstance(new, QlaGDNAttentionMetadata) and new.qla_decode_state_indices is not None:
-            new.qla_decode_state_indices = qla_state_slots(new.non_spec_state_indices_tensor[: new.num_decodes])
         return new
 
 

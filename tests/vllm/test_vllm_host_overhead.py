@@ -1,5 +1,6 @@
-"""Per-step work the builder does once for every GDN layer of a step (issue #24): a layer of a mixed
-prefill + decode step (eager in vLLM's PIECEWISE graphs) maps no slots itself."""
+"""Per-step work around the GDN kernels (issue #24): the decode rows of a step, pure or mixed, reach
+the decode op as vLLM left them (its slot buffer, the packed conv output), with no mapping or
+split copies in between."""
 
 from __future__ import annotations
 
@@ -30,43 +31,48 @@ def _step(layer, config, md, tokens):
     return out
 
 
-def test_mixed_step_maps_decode_slots_once_for_every_layer(layer, flashqla_config, monkeypatch):
-    from qla_serving.integrations.vllm import layer as layer_mod
+def _record_decode_calls(monkeypatch):
+    seen = []
+    real = qla_serving.gated_delta_rule_decode
+    monkeypatch.setattr(qla_serving, "gated_delta_rule_decode",
+                        lambda *a, **kw: seen.append((a, kw)) or real(*a, **kw))
+    return seen
 
+
+def _reads_in_place(args, kw, md, n):
+    """The decode call got vLLM's slot buffer itself with its null block as padding, and q, k, v
+    as views of one packed buffer (nothing mapped or split into new tensors per layer)."""
+    q, k, v, a, b, slots = args[0], args[1], args[2], args[3], args[4], args[8]
+    vllm_slots = md.non_spec_state_indices_tensor
+    assert slots.data_ptr() == vllm_slots.data_ptr() and slots.shape[0] == n
+    assert kw["min_slot"] == 1
+    assert not q.is_contiguous() and q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert k.data_ptr() - q.data_ptr() == q.shape[-2] * q.shape[-1] * q.element_size()
+
+
+def test_mixed_step_decodes_read_vllms_slots_in_place(layer, flashqla_config, monkeypatch):
     # three decodes (the second on vLLM's null block, a padded row) and a prefill
     md = metadata_builder(layer, flashqla_config).build(
         0, common_metadata([1, 1, 1, 70], [5, 9, 2, 0], [4, 0, 9, 6])
     )
-    assert md.qla_decode_state_indices.tolist() == [4, -1, 9]
-    assert md.qla_decode_state_indices.dtype == md.non_spec_state_indices_tensor.dtype
-
-    def per_layer_mapping(_):
-        raise AssertionError("a layer of a mixed step mapped the decode slots itself")
-
-    monkeypatch.setattr(layer_mod, "qla_state_slots", per_layer_mapping)
-    seen = []
-    real = qla_serving.gated_delta_rule_decode
-    monkeypatch.setattr(
-        qla_serving, "gated_delta_rule_decode", lambda *a, **kw: seen.append(a[8]) or real(*a, **kw)
-    )
+    seen = _record_decode_calls(monkeypatch)
     for _ in range(2):  # two GDN layers of the step
         out = _step(layer, flashqla_config, md, 73)
-    assert len(seen) == 2 and all(s is md.qla_decode_state_indices for s in seen)
-    assert not out[1].any() and out[0].any()  # the padded row is skipped: zero output
+    assert len(seen) == 2
+    for args, kw in seen:
+        _reads_in_place(args, kw, md, 3)
+    assert not out[1].any() and out[0].any() and out[2].any()  # the padded row is skipped: zero output
 
 
-def test_pure_decode_step_maps_slots_in_the_layer(layer, flashqla_config, monkeypatch):
-    """A pure decode step replays in vLLM's FULL CUDA graph: the mapping stays in the (captured)
-    layer, reading vLLM's persistent index buffer, not a tensor built anew each step."""
-    from qla_serving.integrations.vllm import layer as layer_mod
-
+def test_pure_decode_step_reads_vllms_slots_in_place(layer, flashqla_config, monkeypatch):
+    """A pure decode step replays in vLLM's FULL CUDA graph: the layer adds no kernel between vLLM's
+    conv update and the decode (no slot mapping, no q/k/v split copies)."""
     md = metadata_builder(layer, flashqla_config).build(0, common_metadata([1, 1], [5, 9], [4, 0]))
-    assert md.qla_decode_state_indices is None
-    calls = []
-    real = layer_mod.qla_state_slots
-    monkeypatch.setattr(layer_mod, "qla_state_slots", lambda idx: calls.append(idx) or real(idx))
+    seen = _record_decode_calls(monkeypatch)
     out = _step(layer, flashqla_config, md, 2)
-    assert len(calls) == 1 and not out[1].any() and out[0].any()
+    assert len(seen) == 1
+    _reads_in_place(*seen[0], md, 2)
+    assert not out[1].any() and out[0].any()
 
 
 def test_prefill_lengths_from_host_lists_match_vllms_split(registered):

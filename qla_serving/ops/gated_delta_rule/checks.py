@@ -92,8 +92,10 @@ def indices_checked(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" or os.environ.get("QLA_CHECK_INDICES") == "1"
 
 
-def expect_slots(name: str, idx: torch.Tensor, num_slots: int, n: int, allow_padding: bool) -> None:
-    """``idx``: ``[n]`` int32/int64 slot numbers in ``[0, num_slots)`` (``-1`` = padding if allowed)."""
+def expect_slots(name: str, idx: torch.Tensor, num_slots: int, n: int, allow_padding: bool,
+                 min_slot: int = 0) -> None:
+    """``idx``: ``[n]`` int32/int64 slot numbers in ``[0, num_slots)`` (``-1`` = padding if allowed,
+    and so is any value below ``min_slot``); the live ones distinct."""
     expect_rank(name, idx, (1,), "[N]")
     expect_shape(name, idx, (n,), "[N], one slot per sequence")
     expect_dtype(name, idx, INDEX_DTYPES)
@@ -105,6 +107,26 @@ def expect_slots(name: str, idx: torch.Tensor, num_slots: int, n: int, allow_pad
         first = int(idx[bad][0])
         allowed = f"[0, {num_slots})" + (" or -1 for a padded row" if allow_padding else "")
         raise IndexError(f"{name} contains {first}, outside the pool's slot range {allowed}")
-    live = idx[idx >= 0]
+    live = idx[idx >= max(min_slot, 0)]
     if live.unique().numel() != live.numel():
         raise ValueError(f"{name} names a slot twice: each sequence needs its own state slot")
+
+
+def token_rows(x: torch.Tensor, inner: tuple[int, ...], row_multiple: int = 1) -> bool:
+    """Whether ``x`` (``[N, T, *inner]``) has ``inner`` contiguous per token and its ``N * T``
+    tokens one stride apart, that stride a multiple of ``row_multiple`` elements: the layout the
+    decode kernel reads in place (a contiguous tensor, or a column range of a packed buffer)."""
+    st = x.stride()
+    width = 1
+    for d in range(len(inner) - 1, -1, -1):
+        if inner[d] > 1 and st[2 + d] != width:
+            return False
+        width *= inner[d]
+    N, T = x.shape[0], x.shape[1]
+    if T > 1:
+        if N > 1 and st[0] != T * st[1]:
+            return False
+        step = st[1]
+    else:
+        step = st[0] if N > 1 else row_multiple
+    return step >= width and step % row_multiple == 0

@@ -43,6 +43,7 @@ def gated_delta_rule_decode(
     intermediate_states: torch.Tensor | None = None,
     inplace_final_state: bool = True,
     out: torch.Tensor | None = None,
+    min_slot: int = 0,
 ) -> torch.Tensor:
     """One decode step (or up to 16 tokens per sequence, for speculative verify).
 
@@ -51,17 +52,24 @@ def gated_delta_rule_decode(
 
     Args:
         q: ``[N, H, K]`` (one token) or ``[N, T, H, K]`` (``T <= 16`` tokens), bf16/fp16
-            (fp32 runs the reference) — queries; contiguous.
-        k: q's shape and dtype — keys.
-        v: ``[N, HV, V]`` or ``[N, T, HV, V]``, q's dtype — values; ``HV`` a multiple of ``H``.
-        a: ``[N, HV]`` or ``[N, T, HV]`` — decay input (float dtype).
-        b: a's shape — write-strength input (float dtype).
+            (fp32 runs the reference) — queries. Read in place when ``[H, K]`` is contiguous per
+            token and the tokens are one stride apart, a multiple of ``H * K`` (a contiguous
+            tensor, or the q columns of the engine's packed ``[tokens, (2H + HV) * K]`` conv
+            output); copied first otherwise.
+        k: q's shape and dtype — keys; the same layout rule.
+        v: ``[N, HV, V]`` or ``[N, T, HV, V]``, q's dtype — values; ``HV`` a multiple of ``H``;
+            read in place when ``[HV, V]`` is contiguous per token, tokens one stride apart.
+        a: ``[N, HV]`` or ``[N, T, HV]`` — decay input (float dtype); read in place when ``HV``
+            is contiguous per token, tokens one stride apart (e.g. a column range of the
+            packed gate projection).
+        b: a's shape — write-strength input (float dtype); a's layout rule.
         A_log: ``[HV]`` float32 (or bf16) — per-head log decay rate.
         dt_bias: ``[HV]`` float32 (or bf16) — per-head bias of ``a``.
         state_pool: ``[num_slots, HV, V, K]`` float32 or bfloat16 — the engine's pool,
             ``[HV, V, K]`` contiguous per slot, any slot stride; updated in place.
-        state_indices: ``[N]`` int32/int64 — slot of each sequence; ``-1`` marks a padded row
-            (CUDA-graph batches): its state is untouched and its output rows are zero.
+        state_indices: ``[N]`` int32/int64 — slot of each sequence; ``-1`` (or any value below
+            ``min_slot``) marks a padded row (CUDA-graph batches): its state is untouched and
+            its output rows are zero.
         scale: output scale, ``K ** -0.5`` when None.
         use_qk_l2norm_in_kernel: L2-normalise q and k inside the op.
         intermediate_states: optional ``[N, T, HV, V, K]`` in the pool's dtype — receives the
@@ -69,6 +77,8 @@ def gated_delta_rule_decode(
         inplace_final_state: write the state after the last token back to the pool. Set
             False in speculative verify to leave the pool for the engine to update.
         out: optional output buffer of v's shape and q's dtype.
+        min_slot: the lowest slot of a live row (default 0). vLLM passes 1: its padded rows
+            point at its null block 0, which no request owns.
 
     Returns:
         ``o``: v's shape (``[N, HV, V]`` or ``[N, T, HV, V]``), q's dtype.
@@ -100,8 +110,19 @@ def gated_delta_rule_decode(
     checks.expect_same_device(q.device, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
                               state_pool=state_pool, state_indices=state_indices,
                               intermediate_states=intermediate_states, out=out)
-    checks.expect_contiguous_all(q=q, k=k, v=v, a=a, b=b)
-    checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True)
+    # Row-strided views are read in place; anything else is copied into the layout the kernel reads.
+    if not (checks.token_rows(q, (H, K), H * K) and q.data_ptr() % 16 == 0):
+        q = q.contiguous()
+    if not (checks.token_rows(k, (H, K), H * K) and k.data_ptr() % 16 == 0):
+        k = k.contiguous()
+    if not checks.token_rows(v, (HV, V)):
+        v = v.contiguous()
+    if not checks.token_rows(a, (HV,)):
+        a = a.contiguous()
+    if not checks.token_rows(b, (HV,)):
+        b = b.contiguous()
+    checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True,
+                        min_slot=min_slot)
     if intermediate_states is not None:
         checks.expect_shape("intermediate_states", intermediate_states, (N, T, HV, V, K), "[N, T, HV, V, K]")
         if intermediate_states.dtype != state_pool.dtype:
@@ -121,9 +142,9 @@ def gated_delta_rule_decode(
     if fwd is not None:
         fwd(q, k, v, a, b, A_log, dt_bias, state_pool=state_pool, state_indices=state_indices, scale=scale,
             use_qk_l2norm=use_qk_l2norm_in_kernel, out=out, intermediate_states=intermediate_states,
-            inplace_final_state=inplace_final_state)
+            inplace_final_state=inplace_final_state, min_slot=min_slot)
     else:
-        live = state_indices >= 0
+        live = state_indices >= max(min_slot, 0)
         slots = state_indices.long().clamp(min=0)
         init = torch.where(live.view(-1, 1, 1, 1), state_pool[slots].float(), 0.0)
         o, states = recurrent_decode_ref(q, k, v, a, b, A_log, dt_bias, init, scale=scale,
