@@ -4,6 +4,12 @@ For each head configuration (H q/k heads / HV value heads), state dtype and batc
 implementation gets the same inputs (same values) and the same pool slots:
 
 * ``qla``: :func:`qla_serving.kernels.decode.gated_delta_rule_decode_fwd`, pool in place.
+* ``qla-packed`` (on request): the same kernel as vLLM's layer calls it, reading q/k/v as column
+  ranges of the packed ``[N, 2*H*K + HV*V]`` conv output and a, b as the halves of one
+  ``[N, 2*HV]`` gate projection, in place.
+* ``qla-split`` (on request): the layer's former path from the same packed inputs: q, k, v, a and
+  b copied apart, the slots mapped with ``torch.where``, then the kernel (what the in-place read
+  saves, inside one graph).
 * ``fla``: FLA's fused recurrent decode as the engines call it: the FLA-derived Triton kernel
   ``fused_recurrent_gated_delta_rule_packed_decode`` that vLLM 0.26 runs for every pure decode
   batch (``VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE``, on by default) and SGLang 0.5.23's
@@ -62,9 +68,9 @@ K = V = HEAD_DIM
 DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256, 512)
 DEFAULT_HEADS = ("16/64", "16/48", "16/32", "2/8")
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-IMPLS = ("qla", "fla", "fla-gating", "fla-unindexed", "flashinfer")
+IMPLS = ("qla", "qla-packed", "qla-split", "fla", "fla-gating", "fla-unindexed", "flashinfer")
 DEFAULT_IMPLS = ("qla", "fla", "fla-unindexed", "flashinfer")
-IN_PLACE = {"qla", "fla", "fla-gating", "flashinfer"}  # update the pool slots at the indices
+IN_PLACE = {"qla", "qla-packed", "qla-split", "fla", "fla-gating", "flashinfer"}  # update the pool slots at the indices
 MAX_REPS = 64
 CHECK_BATCH = 64  # besides the smallest batch, the first batch >= this is checked (large tiles)
 # Tolerances of our kernel against the float64 oracle (bf16 output; state in the pool dtype).
@@ -192,6 +198,33 @@ def _impl_fns(impls, q, k, v, a, b, A_log, dt_bias, pool, idx_sets, scale, N, en
             return out, None
 
         fns["qla"] = qla
+    if "qla-packed" in impls or "qla-split" in impls:
+        from qla_serving.kernels.decode import gated_delta_rule_decode_fwd
+
+        H, K_ = q.shape[2], q.shape[3]
+        mixed = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=1)
+        ba = torch.cat([b.reshape(N, HV), a.reshape(N, HV)], dim=1)
+        qp, kp, vp = (x.view(N, 1, -1, K_) for x in mixed.split([H * K_, H * K_, HV * K_], dim=-1))
+        bp, ap = (x.view(N, 1, HV) for x in ba.chunk(2, dim=-1))
+        out_p = torch.empty_like(v)
+
+        def packed(r):
+            gated_delta_rule_decode_fwd(qp, kp, vp, ap, bp, A_log, dt_bias, state_pool=pool,
+                                        state_indices=idx_sets[r], scale=scale, use_qk_l2norm=True, out=out_p)
+            return out_p, None
+
+        def split(r):
+            idx = idx_sets[r]
+            gated_delta_rule_decode_fwd(qp.contiguous(), kp.contiguous(), vp.contiguous(), ap.contiguous(),
+                                        bp.contiguous(), A_log, dt_bias, state_pool=pool,
+                                        state_indices=torch.where(idx >= 0, idx, -1), scale=scale,
+                                        use_qk_l2norm=True, out=out_p)
+            return out_p, None
+
+        if "qla-packed" in impls:
+            fns["qla-packed"] = packed
+        if "qla-split" in impls:
+            fns["qla-split"] = split
     if "fla" in impls:
         # The engines' layout: q, k, v of one token side by side in one row (same values as ours).
         mixed_qkv = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=1)
