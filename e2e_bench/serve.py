@@ -395,6 +395,29 @@ ENGINE_NAMES = {"FlashInfer": "flashinfer", "CuteDSL": "cutedsl", "Triton/FLA": 
 FALLBACK_MARKS = ("falling back", "GDN kernels run instead")
 
 
+# What the server sized itself to, from its own start-up lines: a backend whose start leaves less
+# memory for the KV cache (or the state slots) serves fewer requests at once, which shows in every
+# throughput row without being the kernels' doing.
+CAPACITY_PATTERNS = {
+    "vllm": {"kv_cache_tokens": re.compile(r"GPU KV cache size: ([\d,]+) tokens"),
+             "max_concurrency": re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")},
+    "sglang": {"kv_cache_tokens": re.compile(r"max_total_num_tokens=(\d+)"),
+               "max_running_requests": re.compile(r"max_running_requests=(\d+)"),
+               "chunked_prefill_size": re.compile(r"chunked_prefill_size=(-?\d+)")},
+}
+
+
+def server_capacity(engine: str, log_text: str) -> dict:
+    """The KV-cache capacity lines of a server log (first match each; absent lines left out)."""
+    out = {}
+    for name, pattern in CAPACITY_PATTERNS[engine].items():
+        m = pattern.search(log_text)
+        if m:
+            value = m.group(1).replace(",", "")
+            out[name] = float(value) if "." in value else int(value)
+    return out
+
+
 def resolve_default(engine: str, log_text: str) -> str | None:
     """The GDN backend the engine picked with no flag, read from its log (SGLang: one name when
     decode and prefill agree, else ``<prefill> prefill, <decode> decode``)."""
@@ -551,6 +574,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
         text = server.log_text()
         info["resolved"] = resolve_default(s.engine, text) if backend == "default" else backend
         info["fallback"] = any(mark in text for mark in FALLBACK_MARKS)
+        info["capacity"] = server_capacity(s.engine, text)
         server.stop()
         client.close()
     return rows, info
@@ -716,11 +740,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              "", f"Model: {meta.get('model')}", "", f"Versions: {json.dumps(meta.get('versions'))}", "",
              f"Command: `{meta.get('command')}`", ""]
     if meta.get("backends"):
-        lines += ["| backend | resolved | start-up s | fallback | agreement with the reference |",
-                  "|---|---|---|---|---|"]
+        lines += ["| backend | resolved | start-up s | fallback | agreement with the reference | server capacity |",
+                  "|---|---|---|---|---|---|"]
         for b in meta["backends"]:
+            cap = ", ".join(f"{k} {v}" for k, v in (b.get("capacity") or {}).items()) or "—"
             lines.append(f"| {b['backend']} | {b.get('resolved')} | {b.get('startup_s')} | {b.get('fallback')} | "
-                         f"{b.get('agree_fraction')} |")
+                         f"{b.get('agree_fraction')} | {cap} |")
         lines.append("")
     ratios = against_best(rows)
     if ratios:

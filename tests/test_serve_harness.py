@@ -119,6 +119,23 @@ def test_agreement_counts_tokens_before_the_first_divergence():
     assert all(0 <= t < serve.TOKENIZER_WORDS for p in prompts for t in p)
 
 
+def test_server_capacity_from_the_engines_log_lines():
+    # vLLM 0.26's kv_cache_utils lines and SGLang 0.5.17's scheduler line, as the servers print them
+    vllm_log = ("(EngineCore pid=1) INFO 11-27 01:50:01 [kv_cache_utils.py:2177] GPU KV cache size: 1,234,567 tokens\n"
+                "(EngineCore pid=1) INFO 11-27 01:50:01 [kv_cache_utils.py:2178] Maximum concurrency for 4,096 "
+                "tokens per request: 301.41x\n")
+    assert serve.server_capacity("vllm", vllm_log) == {"kv_cache_tokens": 1234567, "max_concurrency": 301.41}
+    sglang_log = ("[2026-11-27 01:51:43 TP0] max_total_num_tokens=15697688, chunked_prefill_size=8192, "
+                  "max_prefill_tokens=16384, max_running_requests=1797, context_len=34048, available_gpu_mem=10.00 GB")
+    assert serve.server_capacity("sglang", sglang_log) == {
+        "kv_cache_tokens": 15697688, "max_running_requests": 1797, "chunked_prefill_size": 8192}
+    assert serve.server_capacity("vllm", "no such lines") == {}
+    md = serve.markdown({"engine": "vllm", "tp": 1, "gpus": 1, "gpu": "H100", "backends": [
+        {"backend": "flashqla", "resolved": "flashqla", "startup_s": 1.0, "fallback": False, "agree_fraction": 1.0,
+         "capacity": {"kv_cache_tokens": 1234567, "max_concurrency": 301.41}}]}, [])
+    assert "| kv_cache_tokens 1234567, max_concurrency 301.41 |" in md
+
+
 def test_default_backend_is_read_from_the_engine_log():
     log = "INFO ... Using FlashInfer GDN prefill kernel (requested=auto, head_k_dim=128).\n"
     assert serve.resolve_default("vllm", log) == "flashinfer"
