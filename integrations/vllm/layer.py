@@ -327,17 +327,10 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         q, k, v = x.split_with_sizes([H * K, H * K, HV * V], dim=-1)
         return q.view(*rows, H, K), k.view(*rows, H, K), v.view(*rows, HV, V)
 
-    def _split_qkv(self, x, *rows):
-        """``[L, qkv_dim]`` -> contiguous q, k ``[*rows, H, K]`` and v ``[*rows, HV, V]``
-        (``rows``: ``L`` when not given): one copy each. vLLM's ``rearrange_mixed_qkv`` copies
-        each part, then all three again into one buffer: four kernels where three do, in the eager
-        GDN op of a mixed step."""
-        rows = rows or (x.shape[0],)
-        H, HV = self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size
-        K, V = self.head_k_dim, self.head_v_dim
-        q, k, v = x.split_with_sizes([H * K, H * K, HV * V], dim=-1)
-        return (q.contiguous().view(*rows, H, K), k.contiguous().view(*rows, H, K),
-                v.contiguous().view(*rows, HV, V))
+    def _split_qkv(self, x):
+        """``[L, qkv_dim]`` -> contiguous q, k ``[L, H, K]`` and v ``[L, HV, V]`` (one copy each), for
+        the CPU reference prefill, whose op takes contiguous inputs."""
+        return tuple(t.contiguous() for t in self._qkv_views(x))
 
     def _qla_prefill(self, x, a, b, ssm_state, md: QlaGDNAttentionMetadata, out):
         """Chunked prefill of the planned sequences, state in ``ssm_state`` in place."""

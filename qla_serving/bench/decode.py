@@ -198,13 +198,15 @@ def _impl_fns(impls, q, k, v, a, b, A_log, dt_bias, pool, idx_sets, scale, N, en
             return out, None
 
         fns["qla"] = qla
+    if {"fla", "qla-packed", "qla-split"} & set(impls):
+        # The engines' layout: q, k, v of one token side by side in one row (same values as ours).
+        mixed_qkv = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=1)
     if "qla-packed" in impls or "qla-split" in impls:
         from qla_serving.kernels.decode import gated_delta_rule_decode_fwd
 
         H, K_ = q.shape[2], q.shape[3]
-        mixed = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=1)
         ba = torch.cat([b.reshape(N, HV), a.reshape(N, HV)], dim=1)
-        qp, kp, vp = (x.view(N, 1, -1, K_) for x in mixed.split([H * K_, H * K_, HV * K_], dim=-1))
+        qp, kp, vp = (x.view(N, 1, -1, K_) for x in mixed_qkv.split([H * K_, H * K_, HV * K_], dim=-1))
         bp, ap = (x.view(N, 1, HV) for x in ba.chunk(2, dim=-1))
         out_p = torch.empty_like(v)
 
@@ -226,8 +228,6 @@ def _impl_fns(impls, q, k, v, a, b, A_log, dt_bias, pool, idx_sets, scale, N, en
         if "qla-split" in impls:
             fns["qla-split"] = split
     if "fla" in impls:
-        # The engines' layout: q, k, v of one token side by side in one row (same values as ours).
-        mixed_qkv = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=1)
         a2, b2 = a.reshape(N, HV), b.reshape(N, HV)
         out_fla = torch.empty_like(v)
 
