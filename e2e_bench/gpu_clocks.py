@@ -12,6 +12,7 @@ and lowest SM clock, the mean power and the limit reasons active in at least a t
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import statistics
@@ -66,10 +67,15 @@ def summarise(lines: list[str]) -> dict:
 
 class ClockSampler:
     """``nvidia-smi`` sampling into ``path`` between ``__enter__`` and ``__exit__``; the summary
-    is in :attr:`summary` afterwards."""
+    is in :attr:`summary` afterwards. ``gpus``: the GPUs sampled (nvidia-smi ids, comma-separated);
+    by default the process's ``CUDA_VISIBLE_DEVICES``, else every GPU (nvidia-smi itself ignores
+    that variable, so a server pinned to one GPU would otherwise be summarised with its idle
+    neighbours)."""
 
-    def __init__(self, path: str | pathlib.Path, interval_ms: int = 250, smi: str = "nvidia-smi"):
+    def __init__(self, path: str | pathlib.Path, interval_ms: int = 250, smi: str = "nvidia-smi",
+                 gpus: str | None = None):
         self.path, self.interval_ms, self.smi = pathlib.Path(path), interval_ms, smi
+        self.gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() if gpus is None else gpus
         self.proc: subprocess.Popen | None = None
         self.summary: dict = {}
 
@@ -78,7 +84,8 @@ class ClockSampler:
         if exe is not None:
             self._out = open(self.path, "w")
             self.proc = subprocess.Popen(
-                [exe, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", f"--loop-ms={self.interval_ms}"],
+                [exe, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", f"--loop-ms={self.interval_ms}",
+                 *([f"--id={self.gpus}"] if self.gpus else [])],
                 stdout=self._out, stderr=subprocess.STDOUT)
         return self
 

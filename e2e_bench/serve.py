@@ -163,13 +163,21 @@ def write_model(spec: dict, num_layers: int, max_len: int, directory: str | os.P
     path = pathlib.Path(directory)
     tok = pathlib.Path(tokenizer_dir(str(path)))
     tok.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf_config(spec, num_layers, max_len), indent=1) + "\n")
+    write_whole(path / "config.json", json.dumps(hf_config(spec, num_layers, max_len), indent=1) + "\n")
     words = tokenizer_json(vocab_size=spec["vocab_size"] if full_vocab else 0)
-    (tok / "tokenizer.json").write_text(json.dumps(words))
-    (tok / "tokenizer_config.json").write_text(json.dumps({
+    write_whole(tok / "tokenizer.json", json.dumps(words))
+    write_whole(tok / "tokenizer_config.json", json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TEXT, "model_max_length": max_len,
         "clean_up_tokenization_spaces": False}))
     return str(path)
+
+
+def write_whole(path: pathlib.Path, text: str) -> None:
+    """Write ``path`` by renaming a finished file over it: servers started side by side (one per
+    GPU, ``scripts/gpu_session.sh serve-split``) read the model files while another run rewrites them."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -504,7 +512,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
     log(f"start {s.engine} {backend} tp{s.tp}: {shlex.join(cmd)}")
     server = Server(cmd, env, logf, s.port)
     proc = None
-    info: dict = {"backend": backend, "sample": args.server_sample, "command": shlex.join(cmd)}
+    info: dict = {"backend": backend, "sample": args.server_sample, "command": shlex.join(cmd),
+                  "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") or "all"}
     rows: list[dict] = []
     client = Client(s.engine, env)
     try:
@@ -740,12 +749,15 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              "", f"Model: {meta.get('model')}", "", f"Versions: {json.dumps(meta.get('versions'))}", "",
              f"Command: `{meta.get('command')}`", ""]
     if meta.get("backends"):
-        lines += ["| backend | resolved | start-up s | fallback | agreement with the reference | server capacity |",
-                  "|---|---|---|---|---|---|"]
+        # servers run side by side on GPUs of their own (serve-split) name their GPUs
+        pinned = any(b.get("visible_gpus", "all") != "all" for b in meta["backends"])
+        lines += ["| backend | resolved | start-up s | fallback | agreement with the reference | server capacity |"
+                  + (" sample | GPUs |" if pinned else ""), "|---|---|---|---|---|---|" + ("---|---|" if pinned else "")]
         for b in meta["backends"]:
             cap = ", ".join(f"{k} {v}" for k, v in (b.get("capacity") or {}).items()) or "—"
             lines.append(f"| {b['backend']} | {b.get('resolved')} | {b.get('startup_s')} | {b.get('fallback')} | "
-                         f"{b.get('agree_fraction')} | {cap} |")
+                         f"{b.get('agree_fraction')} | {cap} |"
+                         + (f" {b.get('sample', 1)} | {b.get('visible_gpus', 'all')} |" if pinned else ""))
         lines.append("")
     ratios = against_best(rows)
     if ratios:
@@ -905,6 +917,9 @@ def parse_args(argv):
     p.add_argument("--work-dir", default="", help="servers' logs, client results and each backend's rows; "
                    "default /tmp/qla-serve-<engine>-<model>-tp<N>, so calls of one backend each add up")
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands; start nothing")
+    p.add_argument("--collect", action="store_true",
+                   help="start nothing: write the results of what the work directory holds for this setup "
+                        "(the servers of calls run side by side, one per GPU: scripts/gpu_session.sh serve-split)")
     args = p.parse_args(argv)
     for c in args.concurrency:
         if c < 1:
@@ -970,7 +985,7 @@ def main(argv=None) -> int:
            "workloads": args.workloads, "concurrency": args.concurrency, "server_args": args.server_arg,
            "repeats": args.repeats}
     command = shlex.join(["python", "-m", "e2e_bench.serve", *argv])
-    for backend in backends:
+    for backend in [] if args.collect else backends:
         resolved_default = (load_backend(work, "default", key) or {}).get("info", {}).get("resolved")
         if backend != "default" and backend == resolved_default:
             log(f"skip {backend}: it is the engine's default, measured as 'default'")
@@ -993,6 +1008,9 @@ def main(argv=None) -> int:
                     row["backend_resolved"] = saved["info"].get("resolved")
             runs += saved["rows"]
             infos.append(saved["info"])
+    if args.collect and not infos:
+        log(f"--collect: {work} holds no backend measured for this setup")
+        return 1
     finish_rows(runs, infos, args.reference)
     rows = median_rows(runs)
     meta = {

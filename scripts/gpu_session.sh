@@ -12,6 +12,9 @@
 # $OUT/profile-prefill.tar.xz; the .ncu-rep files stay in /tmp, they are large).
 # serve (the serving benchmark, e2e_bench/serve.py, arguments in QLA_SERVE_ARGS; the servers' and
 # clients' logs of every run in /tmp go back as $OUT/serve-logs.tar.xz).
+# serve-split (the serving benchmark's servers side by side, one per GPU: QLA_SERVE_SPLIT="GPU:BACKEND[:SAMPLE]
+# ...", each server with the common QLA_SERVE_ARGS, its own port and vLLM cache; then one results file
+# of them all in $OUT, each backend row naming its GPU; each run's log in $OUT/serve-gpu<GPU>-<BACKEND>.log).
 # stress (the reliability harness, e2e_bench/stress.py, arguments in QLA_STRESS_ARGS; logs back as
 # $OUT/stress-logs.tar.xz).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
@@ -73,6 +76,22 @@ for step in "$@"; do
     serve)
       ( rc=0
         python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} --out-dir "$OUT" || rc=$?
+        tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
+          $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
+        exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
+    serve-split)
+      ( rc=0; i=0
+        python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} --dry-run >/dev/null  # the model's files, before any server reads them
+        for slot in ${QLA_SERVE_SPLIT:?GPU:BACKEND[:SAMPLE] ...}; do
+          IFS=: read -r gpu backend sample <<<"$slot"
+          CUDA_VISIBLE_DEVICES=$gpu VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-$gpu python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} \
+            --backends "$backend" --server-sample "${sample:-1}" --port $((8321 + 100 * i)) --out-dir "/tmp/qla-split-$i" \
+            >"$OUT/serve-gpu$gpu-$backend.log" 2>&1 &
+          i=$((i + 1))
+        done
+        for job in $(jobs -p); do wait "$job" || rc=1; done
+        for log in "$OUT"/serve-gpu*.log; do echo "-- ${log##*/}"; grep -E "healthy|point|FAILED|budget" "$log"; done
+        python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} --collect --out-dir "$OUT" || rc=$?
         tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;

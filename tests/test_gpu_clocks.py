@@ -43,6 +43,29 @@ def test_sampler_runs_nvidia_smi_while_the_point_runs(tmp_path, monkeypatch):
     assert clocks.summary["power_w_mean"] == 612.5 and clocks.summary["clock_samples"] >= 3
 
 
+def test_a_server_pinned_to_some_gpus_samples_those_only(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    args_file = tmp_path / "args"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {args_file}\nwhile true; do sleep 0.05; done\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+
+    def sampled_ids(**kw):
+        args_file.unlink(missing_ok=True)
+        with gpu_clocks.ClockSampler(tmp_path / "clocks.csv", interval_ms=50, **kw):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not args_file.exists():
+                time.sleep(0.05)
+        return [a for a in args_file.read_text().split() if a.startswith("--id")]
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert sampled_ids() == ["--id=2,3"]
+    assert sampled_ids(gpus="1") == ["--id=1"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert sampled_ids() == []  # every GPU
+
+
 def test_without_nvidia_smi_the_summary_is_empty(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with gpu_clocks.ClockSampler(tmp_path / "clocks.csv") as clocks:

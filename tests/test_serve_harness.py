@@ -334,7 +334,10 @@ def test_server_samples_add_up_and_agreement_is_a_backends_worst(tmp_path):
     assert [r["agree_fraction"] for r in runs] == [0.5, 0.5]
 
 
-def test_repeats_run_every_point_once_per_round_in_one_server(tmp_path, monkeypatch):
+def _fake_engine(monkeypatch, calls: list) -> None:
+    """Servers that start at once and a client that writes a result per point (``calls`` gets
+    each result file's name), no nvidia-smi: run_backend and main without an engine."""
+
     class FakeProc:
         def poll(self):
             return None
@@ -351,8 +354,6 @@ def test_repeats_run_every_point_once_per_round_in_one_server(tmp_path, monkeypa
 
         def stop(self):
             pass
-
-    calls = []
 
     class FakeClient:
         def __init__(self, engine, env):
@@ -384,6 +385,11 @@ def test_repeats_run_every_point_once_per_round_in_one_server(tmp_path, monkeypa
     monkeypatch.setattr(serve, "Server", FakeServer)
     monkeypatch.setattr(serve, "Client", FakeClient)
     monkeypatch.setattr(serve, "ClockSampler", NoClocks)
+
+
+def test_repeats_run_every_point_once_per_round_in_one_server(tmp_path, monkeypatch):
+    calls = []
+    _fake_engine(monkeypatch, calls)
     args = serve.parse_args(["--engine", "vllm", "--workloads", "short", "chat", "--concurrency", "1", "32",
                              "--repeats", "2", "--server-sample", "2", "--agree-prompts", "0"])
     s = serve.Setup("vllm", str(tmp_path / "model"), 1, 4096)
@@ -395,6 +401,32 @@ def test_repeats_run_every_point_once_per_round_in_one_server(tmp_path, monkeypa
     assert info["sample"] == 2 and not info.get("error")
     medians = serve.median_rows(rows)
     assert len(medians) == 4 and medians[0]["total_tok_s"] == 30.0 and medians[0]["runs"] == 2
+
+
+def test_servers_run_side_by_side_are_collected_into_one_results_file(tmp_path, monkeypatch):
+    calls = []
+    _fake_engine(monkeypatch, calls)
+    monkeypatch.setattr(serve, "greedy_tokens", lambda s, prompts, n: [[7] * n for _ in prompts])
+    common = ["--engine", "vllm", "--model", "qwen3-next-80b-a3b", "--layers", "4", "--workloads", "short",
+              "--concurrency", "128", "--agree-prompts", "2", "--work-dir", str(tmp_path / "work")]
+    # what serve-split runs: one call per GPU, each with its backend, sample and port
+    for gpu, backend, sample in (("0", "flashqla", 1), ("1", "default", 1), ("3", "flashqla", 2)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpu)
+        assert serve.main([*common, "--backends", backend, "--server-sample", str(sample),
+                           "--out-dir", str(tmp_path / f"part-{gpu}")]) == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert serve.main([*common, "--collect", "--out-dir", str(tmp_path / "out")]) == 0
+    assert len(calls) == 3  # --collect started nothing
+    data = json.loads(next((tmp_path / "out").glob("*-serve-vllm-tp1.json")).read_text())
+    assert {(b["backend"], b["sample"], b["visible_gpus"]) for b in data["meta"]["backends"]} == {
+        ("flashqla", 1, "0"), ("flashqla", 2, "3"), ("default", 1, "1")}
+    assert data["meta"]["server_samples"] == {"flashqla": 2, "default": 1}
+    ours = next(r for r in data["rows"] if r["backend"] == "flashqla")
+    assert ours["runs"] == 2 and ours["agree_fraction"] == 1.0
+    md = next((tmp_path / "out").glob("*-serve-vllm-tp1.md")).read_text()
+    assert "| sample | GPUs |" in md and "| 2 | 3 |" in md
+    # another setup's work directory holds nothing to collect: an error, not an empty file
+    assert serve.main([*common[:-1], str(tmp_path / "empty"), "--collect", "--out-dir", str(tmp_path / "o2")]) == 1
 
 
 def test_results_with_runs_show_the_spread(tmp_path):
