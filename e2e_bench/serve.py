@@ -531,6 +531,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
             except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
                 info["agree_error"] = f"{type(e).__name__}: {e}"
                 log(f"agreement requests failed on {backend}: {info['agree_error']}")
+        if args.server_warmup and args.workloads and args.concurrency:
+            warm_up_server(s, backend, args, work, client, info, sfx)
         # every point once per round, the rounds one after another: a drift over the server's life
         # spreads over all points instead of landing on the last ones
         for rnd in range(args.repeats):
@@ -587,6 +589,21 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
         server.stop()
         client.close()
     return rows, info
+
+
+def warm_up_server(s: Setup, backend: str, args, work: pathlib.Path, client: Client, info: dict, sfx: str) -> None:
+    """The first workload at the highest concurrency once, unmeasured: a fresh server's first batch
+    shapes pay one-time work (kernels compiled or tuned on first use) that would otherwise land on
+    whichever point runs first (up to 40% of its throughput)."""
+    workload, conc = args.workloads[0], max(args.concurrency)
+    n = num_prompts(conc, args.prompts_per_concurrency, args.min_prompts)
+    res = work / f"client-{backend}-warmup{sfx}.json"
+    t1 = time.monotonic()
+    rc, _ = client.run(client_command(s, workload, conc, n, str(res), warmups=0, seed=1),
+                       work / f"client-{backend}-warmup{sfx}.log")
+    info["warmup"] = {"workload": workload, "concurrency": conc, "num_prompts": n, "client_rc": rc,
+                      "seconds": round(time.monotonic() - t1, 1)}
+    log(f"warm-up {backend} {workload} c{conc} n={n} (unmeasured): rc {rc}, {info['warmup']['seconds']} s")
 
 
 PROFILE_MIN_S = 90  # the profile point runs the point again, then writes and reads the trace
@@ -893,6 +910,8 @@ def parse_args(argv):
     p.add_argument("--prompts-per-concurrency", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=4)
     p.add_argument("--warmups", type=int, default=4, help="client warm-up requests per point (at most the concurrency)")
+    p.add_argument("--server-warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="before the first point, run the first workload at the highest concurrency once, unmeasured")
     p.add_argument("--repeats", type=int, default=1,
                    help="measure every point this many times per server (all points once per round); the "
                         "results give each point's median and its spread")
@@ -1024,6 +1043,8 @@ def main(argv=None) -> int:
         "prompts": f"max({args.min_prompts}, {args.prompts_per_concurrency} x concurrency) per point, "
                    f"{args.warmups} warm-up requests (at most the concurrency)",
         "repeats": args.repeats,
+        "server_warmup": (f"{args.workloads[0]} at concurrency {max(args.concurrency)} once per server, unmeasured"
+                          if args.server_warmup else "none"),
         "server_samples": {b: n for b in BACKENDS if (n := sum(i["backend"] == b for i in infos))},
         "wall_s": round(time.monotonic() - start, 1),
     }

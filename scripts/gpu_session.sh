@@ -14,7 +14,8 @@
 # clients' logs of every run in /tmp go back as $OUT/serve-logs.tar.xz).
 # serve-split (the serving benchmark's servers side by side, one per GPU: QLA_SERVE_SPLIT="GPU:BACKEND[:SAMPLE]
 # ...", each server with the common QLA_SERVE_ARGS, its own port and vLLM cache; then one results file
-# of them all in $OUT, each backend row naming its GPU; each run's log in $OUT/serve-gpu<GPU>-<BACKEND>.log).
+# of them all in $OUT, each backend row naming its GPU; each run's log in serve-logs.tar.xz as
+# qla-serve-split-gpu<GPU>-<BACKEND>.log: the lent machine returns few files per call).
 # stress (the reliability harness, e2e_bench/stress.py, arguments in QLA_STRESS_ARGS; logs back as
 # $OUT/stress-logs.tar.xz).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
@@ -86,11 +87,11 @@ for step in "$@"; do
           IFS=: read -r gpu backend sample <<<"$slot"
           CUDA_VISIBLE_DEVICES=$gpu VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-$gpu python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} \
             --backends "$backend" --server-sample "${sample:-1}" --port $((8321 + 100 * i)) --out-dir "/tmp/qla-split-$i" \
-            >"$OUT/serve-gpu$gpu-$backend.log" 2>&1 &
+            >"/tmp/qla-serve-split-gpu$gpu-$backend.log" 2>&1 &
           i=$((i + 1))
         done
         for job in $(jobs -p); do wait "$job" || rc=1; done
-        for log in "$OUT"/serve-gpu*.log; do echo "-- ${log##*/}"; grep -E "healthy|point|FAILED|budget" "$log"; done
+        for log in /tmp/qla-serve-split-gpu*.log; do echo "-- ${log##*/}"; grep -E "healthy|warm-up|point|FAILED|budget" "$log"; done
         python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} --collect --out-dir "$OUT" || rc=$?
         tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)

@@ -394,13 +394,16 @@ def test_repeats_run_every_point_once_per_round_in_one_server(tmp_path, monkeypa
                              "--repeats", "2", "--server-sample", "2", "--agree-prompts", "0"])
     s = serve.Setup("vllm", str(tmp_path / "model"), 1, 4096)
     rows, info = serve.run_backend(s, "flashqla", args, tmp_path, [], float("inf"))
-    assert calls == [f"client-flashqla-{w}-c{c}-s2-r{r}.json" for r in (1, 2) for w in ("short", "chat")
-                     for c in (1, 32)]
+    # the warm-up first (the first workload at the highest concurrency, other prompts), unmeasured
+    assert calls == ["client-flashqla-warmup-s2.json"] + [
+        f"client-flashqla-{w}-c{c}-s2-r{r}.json" for r in (1, 2) for w in ("short", "chat") for c in (1, 32)]
+    assert info["warmup"]["workload"] == "short" and info["warmup"]["concurrency"] == 32
     assert [(r["workload"], r["concurrency"], r["round"], r["sample"]) for r in rows][:5] == [
         ("short", 1, 1, 2), ("short", 32, 1, 2), ("chat", 1, 1, 2), ("chat", 32, 1, 2), ("short", 1, 2, 2)]
     assert info["sample"] == 2 and not info.get("error")
+    assert len(rows) == 8 and all(r["total_tok_s"] > 10.0 for r in rows)  # the warm-up is no row
     medians = serve.median_rows(rows)
-    assert len(medians) == 4 and medians[0]["total_tok_s"] == 30.0 and medians[0]["runs"] == 2
+    assert len(medians) == 4 and medians[0]["total_tok_s"] == 40.0 and medians[0]["runs"] == 2  # calls 2 and 6
 
 
 def test_servers_run_side_by_side_are_collected_into_one_results_file(tmp_path, monkeypatch):
@@ -416,7 +419,7 @@ def test_servers_run_side_by_side_are_collected_into_one_results_file(tmp_path, 
                            "--out-dir", str(tmp_path / f"part-{gpu}")]) == 0
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert serve.main([*common, "--collect", "--out-dir", str(tmp_path / "out")]) == 0
-    assert len(calls) == 3  # --collect started nothing
+    assert len(calls) == 6  # a warm-up and a point per server: --collect started nothing
     data = json.loads(next((tmp_path / "out").glob("*-serve-vllm-tp1.json")).read_text())
     assert {(b["backend"], b["sample"], b["visible_gpus"]) for b in data["meta"]["backends"]} == {
         ("flashqla", 1, "0"), ("flashqla", 2, "3"), ("default", 1, "1")}
