@@ -82,6 +82,7 @@ for step in "$@"; do
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
     serve-split)
       ( rc=0; i=0
+        rm -f /tmp/qla-serve-split-gpu*.log  # an earlier call's, on a machine kept warm
         python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} --dry-run >/dev/null  # the model's files, before any server reads them
         for slot in ${QLA_SERVE_SPLIT:?GPU:BACKEND[:SAMPLE] ...}; do
           IFS=: read -r gpu backend sample <<<"$slot"
