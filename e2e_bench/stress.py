@@ -34,7 +34,10 @@ other batch shapes may diverge late; a state bug diverges early or produces garb
 ``--phase`` splits a run over several commands (device calls): ``oracle`` (the oracle servers only),
 ``stress`` (the stress servers), ``spec`` (the speculative servers); each later phase reuses the
 oracle's tokens and earlier phases' rows from the work directory, and every results file holds all
-the rows measured there for the same plan.
+the rows measured there for the same plan. Runs side by side on one machine (one per GPU or GPU
+group, ``scripts/gpu_session.sh stress-split``) share the work directory: a ``stress`` run makes a
+backend's oracle first, a ``spec`` run with ``--wait-oracle S`` starts its server at once and waits
+for that oracle only to compare, and ``--collect`` writes the results of them all.
 """
 
 from __future__ import annotations
@@ -441,7 +444,14 @@ def part_path(work: pathlib.Path, backend: str, part: str) -> pathlib.Path:
 
 
 def save_part(work: pathlib.Path, key: str, backend: str, part: str, rows: list[dict], info: dict) -> None:
-    part_path(work, backend, part).write_text(json.dumps({"key": key, "rows": rows, "info": info}))
+    serve.write_whole(part_path(work, backend, part), json.dumps({"key": key, "rows": rows, "info": info}))
+
+
+def saved_oracle(work: pathlib.Path, backend: str, key: str) -> dict | None:
+    """The oracle's results for ``key`` saved in ``work`` (None when absent or for another plan)."""
+    path = work / f"oracle-{backend}.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    return saved["results"] if saved.get("key") == key else None
 
 
 def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
@@ -520,12 +530,13 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         return parse_metrics(text.decode(errors="replace"), s.engine) if status == 200 else {}
 
     # the oracle: each request alone on a fresh server (kept in the work directory, so a run can be
-    # split into an oracle call and later calls)
+    # split into an oracle call and later calls, or made by a run beside this one: --wait-oracle)
     oracle_file = work / f"oracle-{backend}.json"
-    saved = json.loads(oracle_file.read_text()) if oracle_file.is_file() else {}
-    if saved.get("key") == key:
-        oracle = saved["results"]
+    oracle = saved_oracle(work, backend, key)
+    if oracle is not None:
         serve.log(f"oracle {backend}: reusing {oracle_file}")
+    elif args.wait_oracle and args.phase in ("stress", "spec"):
+        serve.log(f"oracle {backend}: made by the run beside this one; compared once {oracle_file} is there")
     else:
         srv = start("oracle")
         if srv is None:
@@ -536,7 +547,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             done = sum(v["status"] == 200 for v in oracle.values())
             serve.log(f"oracle {backend}: {done} of {len(everything)}")
             if done == len(everything):  # a partial oracle is not kept: the next call redoes it
-                oracle_file.write_text(json.dumps({"key": key, "results": oracle, "info": info("oracle", srv)}))
+                serve.write_whole(oracle_file, json.dumps({"key": key, "results": oracle, "info": info("oracle", srv)}))
                 part_path(work, backend, "oracle").unlink(missing_ok=True)
             else:
                 failed("oracle", srv, f"{done} of {len(everything)} oracle requests answered")
@@ -545,27 +556,48 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     if args.phase == "oracle":
         return problems
 
+    def the_oracle() -> dict | None:
+        """This backend's oracle, waited for (up to --wait-oracle seconds and the budget) when a run
+        beside this one makes it."""
+        nonlocal oracle
+        end = min(time.monotonic() + args.wait_oracle, budget.deadline() or float("inf"))
+        while oracle is None:
+            oracle = saved_oracle(work, backend, key)
+            if oracle is None:
+                if time.monotonic() >= end:
+                    serve.log(f"oracle {backend}: none in {oracle_file}; its rows are not compared")
+                    break
+                time.sleep(5)
+        return oracle
+
+    def compared(row: dict, orc: dict | None) -> dict:
+        if orc is None:
+            row["error"] = "no oracle tokens to compare with (the run that makes them did not finish)"
+        return row
+
     if args.phase in ("all", "stress"):
         srv = start("stress")
         if srv is not None:
-            rows = []
+            # (label, the plan's scenario, the answers, crashed, seconds); compared with the oracle
+            # after the last scenario, which a run beside this one may still be making
+            answered = []
             try:
                 for scenario in args.scenarios:
                     t0 = time.monotonic()
                     if scenario == "bad":
                         bad = asyncio.run(run_bad(s.engine, s.port, s.max_len))
-                        rows.append({"backend": backend, "scenario": "bad", "sent": len(bad),
-                                     "no_5xx": sum(0 < b["status"] < 500 for b in bad),
-                                     "served_after": sum(b["healthy_after"] and b["serves_after"] for b in bad),
-                                     "requests": bad, "crashed": not srv.alive(),
-                                     "seconds": round(time.monotonic() - t0, 1)})
+                        answered.append({"backend": backend, "scenario": "bad", "sent": len(bad),
+                                         "no_5xx": sum(0 < b["status"] < 500 for b in bad),
+                                         "served_after": sum(b["healthy_after"] and b["serves_after"] for b in bad),
+                                         "requests": bad, "crashed": not srv.alive(),
+                                         "seconds": round(time.monotonic() - t0, 1)})
+                        serve.log(f"{backend} bad: {answered[-1]['no_5xx']} of {len(bad)} without a 5xx, "
+                                  f"served after {answered[-1]['served_after']}")
                     else:
                         concurrent = scenario != "prefix"
                         got = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent,
                                                        deadline=budget.deadline()))
-                        row = summarize(s.engine, plan, oracle, got, scenario)
-                        row.update(backend=backend, crashed=not srv.alive(), seconds=round(time.monotonic() - t0, 1))
-                        rows.append(row)
+                        answered.append((scenario, scenario, got, not srv.alive(), round(time.monotonic() - t0, 1)))
                         if scenario == "prefix":  # again, after unrelated long prompts push the cache out
                             t0 = time.monotonic()
                             flood = [{"id": f"flood-{i}", "prompt": ids(random.Random(i), args.max_prompt),
@@ -574,18 +606,25 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                                      deadline=budget.deadline()))
                             again = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent=True,
                                                              deadline=budget.deadline()))
-                            row2 = summarize(s.engine, plan, oracle, again, scenario)
-                            row2.update(backend=backend, scenario="prefix-after-eviction", crashed=not srv.alive(),
-                                        seconds=round(time.monotonic() - t0, 1))
-                            rows.append(row2)
-                    serve.log(f"{backend} {scenario}: "
-                              f"{json.dumps({k: v for k, v in rows[-1].items() if k != 'requests'})}")
+                            answered.append(("prefix-after-eviction", scenario, again, not srv.alive(),
+                                             round(time.monotonic() - t0, 1)))
+                        serve.log(f"{backend} {scenario}: {sum(g.get('status') == 200 for g in got.values())} "
+                                  f"of {len(got)} answered 200 ({answered[-1][4]} s)")
                     if not srv.alive():
                         serve.log(f"server {backend} died in {scenario}:\n{serve.tail(srv.log_path)}")
                         break
                 m = metrics() if srv.alive() else {}
-                for r in rows:
-                    r["server_metrics"] = m
+                orc = the_oracle() if any(isinstance(a, tuple) for a in answered) else oracle
+                rows = []
+                for a in answered:
+                    if isinstance(a, tuple):
+                        label, scenario, got, crashed, seconds = a
+                        row = compared(summarize(s.engine, plan, orc or {}, got, scenario), orc)
+                        row.update(backend=backend, scenario=label, crashed=crashed, seconds=seconds)
+                        a = row
+                    a["server_metrics"] = m
+                    rows.append(a)
+                    serve.log(f"{backend} {a['scenario']}: {json.dumps({k: v for k, v in a.items() if k != 'requests'})}")
                 save_part(work, key, backend, "stress", rows, info("stress", srv))
             finally:
                 srv.stop()
@@ -601,9 +640,12 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 reqs = [r for r in everything if len(r["prompt"]) <= args.spec_max_prompt][: args.spec_requests]
                 got = asyncio.run(run_requests(s.engine, s.port, [{**r, "at": 0.02 * i} for i, r in enumerate(reqs)],
                                                concurrent=True, deadline=budget.deadline()))
-                row = summarize(s.engine, {"spec": reqs}, oracle, got, "spec")
-                row.update(backend=backend, scenario=f"spec-{k}", crashed=not srv.alive())
-                row["server_metrics"] = metrics() if srv.alive() else {}
+                crashed = not srv.alive()
+                m = metrics() if srv.alive() else {}
+                orc = the_oracle()
+                row = compared(summarize(s.engine, {"spec": reqs}, orc or {}, got, "spec"), orc)
+                row.update(backend=backend, scenario=f"spec-{k}", crashed=crashed)
+                row["server_metrics"] = m
                 serve.log(f"{backend} spec-{k}: {json.dumps(row)}")
                 save_part(work, key, backend, tag, [row], info(tag, srv))
             finally:
@@ -671,6 +713,12 @@ def parse_args(argv):
                    help="oracle: the oracle servers only (their tokens stay in the work dir for the next call); "
                         "stress / spec: the stress or the speculative servers only (after the oracle, reused "
                         "or run first); the results file holds every part measured in the work dir")
+    p.add_argument("--wait-oracle", type=float, default=0, metavar="S",
+                   help="stress / spec: the oracle's tokens come from a run beside this one in the same work "
+                        "directory (scripts/gpu_session.sh stress-split): start at once, and wait up to S seconds "
+                        "(and the budget) for them before comparing")
+    p.add_argument("--collect", action="store_true",
+                   help="start nothing: write the results of every part the work directory holds for this plan")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     for name in ("requests", "aborts", "suffixes", "max_prompt", "max_tokens"):
@@ -716,13 +764,16 @@ def main(argv=None) -> int:
     key = run_key(args, plan)
     budget = Budget(args.budget)
     problems = []
-    for backend in backends:
+    for backend in [] if args.collect else backends:
         problems += run_backend(s, backend, args, plan, work, spec["model_type"], key, budget)
-    if args.phase == "oracle":
+    if args.phase == "oracle" and not args.collect:
         return 1 if problems else 0
     # every part measured into this work directory for this plan, this call's and earlier calls'
     parts = load_parts(work, key, [b for b in serve.BACKENDS if b in backends] +
                        [b for b in serve.BACKENDS if b not in backends])
+    if args.collect and not parts:
+        serve.log(f"--collect: {work} holds no part measured for this plan")
+        return 1
     # a server left out for the budget here may have been measured by an earlier call
     measured = {(p["backend"], p["part"]) for p in parts}
     rows = [r for p in parts for r in p["rows"]] + [r for r in problems if (r["backend"], r["scenario"]) not in measured]

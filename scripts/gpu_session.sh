@@ -18,6 +18,10 @@
 # qla-serve-split-gpu<GPU>-<BACKEND>.log: the lent machine returns few files per call).
 # stress (the reliability harness, e2e_bench/stress.py, arguments in QLA_STRESS_ARGS; logs back as
 # $OUT/stress-logs.tar.xz).
+# stress-split (the reliability harness's servers side by side: QLA_STRESS_SPLIT="GPUS:BACKEND:PHASE[:K,K...] ...",
+# GPUS one GPU or a comma-separated group for --tp > 1, PHASE stress (its backend's oracle first, then the
+# stress server) or spec (the K speculative servers, comparing once the stress run's oracle is there),
+# each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz).
 # Extra pytest arguments: QLA_PYTEST_ARGS="-k decode"; QLA_TEST_SHARDS=N runs the tests as N processes,
@@ -97,6 +101,24 @@ for step in "$@"; do
         tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
+    stress-split)
+      ( rc=0; i=0
+        rm -f /tmp/qla-stress-split-*.log  # an earlier call's, on a machine kept warm
+        python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --dry-run >/dev/null  # the model's files, before any server reads them
+        for slot in ${QLA_STRESS_SPLIT:?GPUS:BACKEND:PHASE[:K,K...] ...}; do
+          IFS=: read -r gpus backend phase ks <<<"$slot"
+          extra=(); [[ $phase != spec ]] || extra=(--spec-tokens ${ks//,/ } --wait-oracle 900)
+          CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-} python3 -m e2e_bench.stress \
+            ${QLA_STRESS_ARGS:-} --backends "$backend" --phase "$phase" ${extra[@]+"${extra[@]}"} \
+            --port $((8321 + 100 * i)) --out-dir "/tmp/qla-stress-split-out-$i" \
+            >"/tmp/qla-stress-split-${gpus//,/-}-$backend-$phase.log" 2>&1 &
+          i=$((i + 1))
+        done
+        for job in $(jobs -p); do wait "$job" || rc=1; done
+        for log in /tmp/qla-stress-split-*.log; do echo "-- ${log##*/}"; grep -E "healthy|oracle|FAILED|died|budget|: [0-9]+ of" "$log" | tail -12; done
+        python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --collect --out-dir "$OUT" || rc=$?
+        tar -C /tmp --exclude='*/model' -cJf "$OUT/stress-logs.tar.xz" $(cd /tmp && ls -d qla-stress-* 2>/dev/null)
+        exit $rc ) 2>&1 | tee "$OUT/stress.log" | tail -60 ;;
     install)
       # the package from its built wheel (QLA_WHEEL, a path in the checkout), not the staged tree,
       # run from a directory that holds only the harness, so the checkout cannot stand in for it

@@ -10,6 +10,7 @@ import json
 import pathlib
 import socket
 import threading
+import time
 from typing import ClassVar
 
 import pytest
@@ -400,3 +401,44 @@ def test_budget_leaves_servers_out(tmp_path, monkeypatch):
                       "--backends", "flashqla", "--budget", "60", "--port", str(_free_port()),
                       "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "o")])
     assert rc == 1 and _StandInServer.starts == []
+
+
+def test_runs_side_by_side_share_the_oracle_and_are_collected(tmp_path, monkeypatch):
+    """stress-split: a spec server starts at once beside the run that makes the oracle, and waits for
+    its tokens only to compare; --collect then writes every part; without an oracle a row fails."""
+    monkeypatch.setattr(serve, "Server", _StandInServer)
+    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
+    monkeypatch.setattr(stress, "AFTER_ABORT_S", 0.05)
+    _StandInServer.starts, _StandInServer.fail = [], set()
+    work = tmp_path / "work"
+    common = ["--engine", "vllm", "--layers", "4", "--requests", "8", "--rate", "200", "--max-prompt", "300",
+              "--longest", "0", "--aborts", "2", "--suffixes", "2", "--flood", "2", "--max-tokens", "4",
+              "--backends", "flashqla", "--work-dir", str(work)]
+    spec_rc = []
+    beside = threading.Thread(target=lambda: spec_rc.append(stress.main(
+        [*common, "--phase", "spec", "--spec-tokens", "2", "--wait-oracle", "60", "--port", str(_free_port()),
+         "--out-dir", str(tmp_path / "part-1")])))
+    beside.start()
+    deadline = time.monotonic() + 30
+    while "server-flashqla-spec2" not in _StandInServer.starts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _StandInServer.starts == ["server-flashqla-spec2"]  # no oracle server of its own
+    assert stress.main([*common, "--phase", "stress", "--port", str(_free_port()),
+                        "--out-dir", str(tmp_path / "part-0")]) == 0
+    beside.join(60)
+    assert spec_rc == [0]
+    assert sorted(_StandInServer.starts) == ["server-flashqla-oracle", "server-flashqla-spec2", "server-flashqla-stress"]
+    n = len(_StandInServer.starts)
+    assert stress.main([*common, "--collect", "--out-dir", str(tmp_path / "out")]) == 0
+    assert len(_StandInServer.starts) == n  # --collect starts nothing
+    (path,) = (tmp_path / "out").glob("*-stress-vllm-tp1.json")
+    rows = {r["scenario"]: r for r in json.loads(path.read_text())["rows"]}
+    assert {"bad", "load", "prefix", "spec-2"} <= set(rows)
+    assert rows["spec-2"]["compared"] == rows["spec-2"]["completed"] > 0 and rows["spec-2"]["diverged_within_16"] == 0
+
+    # another plan: the oracle never comes, so the spec row is a failure, not a silent pass
+    assert stress.main([*common, "--seed", "3", "--phase", "spec", "--spec-tokens", "1", "--wait-oracle", "0.2",
+                        "--port", str(_free_port()), "--out-dir", str(tmp_path / "o3")]) == 1
+    (path,) = (tmp_path / "o3").glob("*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["scenario"] == "spec-1" and row["error"].startswith("no oracle tokens") and row["compared"] == 0
