@@ -258,12 +258,15 @@ def client_command(s: Setup, workload: str, concurrency: int, prompts: int, resu
                 "--num-warmups", str(warmups), "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
                 "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
                 "--result-filename", out.name, "--disable-tqdm"]
-    # "random-ids": random token ids; SGLang's "random" samples ShareGPT prompts, downloaded from the Hub
+    # "random-ids": random token ids; SGLang's "random" samples ShareGPT prompts, downloaded from the Hub.
+    # --flush-cache: the client empties the radix cache after its warm-up, which SGLang keeps on by
+    # default: the warm-up sends the point's first prompt, and one seed gives every point the same
+    # first prompts, so without it the measured requests would start from cached prefixes.
     return [*CLIENT_CLI["sglang"], "--backend", "sglang", "--base-url", base,
             "--model", "bench", "--tokenizer", tokenizer_dir(s.model_dir), "--dataset-name", "random-ids",
             "--random-input-len", str(input_len), "--random-output-len", str(output_len),
             "--random-range-ratio", "1", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
-            "--request-rate", "inf", "--warmup-requests", str(warmups), "--seed", str(seed),
+            "--request-rate", "inf", "--warmup-requests", str(warmups), "--flush-cache", "--seed", str(seed),
             "--output-file", result_file, "--disable-tqdm"]
 
 

@@ -97,6 +97,7 @@ def test_client_command_parses_with_sglangs_bench_serving(setup, tmp_path, monke
         assert a.dataset_name == "random-ids" and float(a.random_range_ratio) == 1.0 and a.warmup_requests == 2
         assert a.output_file == str(tmp_path / "r.jsonl") and a.tokenizer == serve.tokenizer_dir(setup.model_dir)
         assert a.backend == "sglang" and a.request_rate == float("inf") and a.disable_tqdm
+        assert a.flush_cache  # the radix cache emptied after the warm-up (test below: why)
 
 
 def test_client_prompts_are_exact_and_offline(setup, tmp_path, monkeypatch):
@@ -124,6 +125,29 @@ def test_client_prompts_are_exact_and_offline(setup, tmp_path, monkeypatch):
     spec = serve.model_spec("qwen3-next-80b-a3b")
     assert tokenizer.vocab_size == spec["vocab_size"]
     assert all(tokenizer.decode([t]) for t in (0, serve.TOKENIZER_WORDS + 1, spec["vocab_size"] - 1))
+
+
+def test_points_share_their_first_prompts_so_the_cache_is_flushed(setup, tmp_path, monkeypatch):
+    """One seed gives every point the same first prompts (and the warm-up sends the first): with
+    SGLang's radix cache on, a point would measure prompts an earlier point or its own warm-up
+    left in the cache. The client's --flush-cache empties it after the warm-up."""
+    import numpy as np
+    from sglang.benchmark import serving
+    from sglang.benchmark.datasets import get_dataset
+
+    seen = []
+    monkeypatch.setattr(serving, "run_benchmark", seen.append)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prompts = {}
+    for conc, n in ((1, 4), (32, 64)):
+        cmd = serve.client_command(setup, "short", conc, n, str(tmp_path / "r.jsonl"), warmups=min(conc, 4))
+        monkeypatch.setattr(sys, "argv", ["bench_serving", *cmd[3:]])
+        serving.cli_main()
+        args = seen[-1]
+        np.random.seed(args.seed)
+        prompts[conc] = [r.prompt for r in get_dataset(args, serving.get_tokenizer(args.tokenizer), "bench")]
+        assert args.flush_cache
+    assert prompts[32][:4] == prompts[1]
 
 
 def test_dummy_weights_get_gates_that_remember(sglang_plugins, monkeypatch):
