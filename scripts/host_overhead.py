@@ -611,6 +611,9 @@ def run_vllm(args) -> dict:
             [700 + 13 * i for i in range(DECODES)] + [2048],
         ),
         ("prefill: 8 sequences of 1024 tokens", [1024] * 8, [0, 0, 0, 0, 512, 512, 1024, 4096]),
+        # pure decode: replayed in vLLM's FULL graphs, where only the per-step metadata build is host work
+        ("decode: 1 sequence", [1], [8192]),
+        (f"decode: {DECODES + 1} sequences", [1] * (DECODES + 1), [700 + 13 * i for i in range(DECODES + 1)]),
     ):
         results["scenarios"][name] = vllm_scenario(layer, config, name, query, context, args)
     return results
