@@ -96,13 +96,14 @@ def resolve_steps(specs: list[tuple[str, str, str, dict]], log: logging.Logger =
     for label, module, function, kwargs in specs:
         fn, problem = resolve(module, function)
         if fn is None:
-            log.warning("qla-serving: no start-up compile for %s: %s; it compiles on first use", label, problem)
+            log.warning("qla-serving: no start-up warm-up for %s: %s; its kernel loads (or compiles) on first use",
+                        label, problem)
         else:
             steps.append((label, lambda fn=fn, kwargs=kwargs: fn(**kwargs)))
     return steps
 
 
-def run_warmup(steps: list[tuple[str, Callable]], *, desc: str = "qla-serving: compiling GDN kernels",
+def run_warmup(steps: list[tuple[str, Callable]], *, desc: str = "qla-serving: preparing GDN kernels",
                log: logging.Logger = logger, device: torch.device | str | None = None) -> int:
     """Run ``steps`` under a progress bar, without autograd; returns how many failed (each logged).
     With a CUDA ``device`` (steps that launch there: :func:`device_call_steps`), the device is
@@ -127,9 +128,9 @@ def run_warmup(steps: list[tuple[str, Callable]], *, desc: str = "qla-serving: c
                 fn()
         except Exception as e:
             if backend.strict_mode():
-                raise backend.KernelUnavailable(f"qla-serving: start-up compile of {label} failed: {e}") from e
+                raise backend.KernelUnavailable(f"qla-serving: start-up warm-up of {label} failed: {e}") from e
             failed += 1
-            log.warning("qla-serving: start-up compile of %s failed (%s: %s); it compiles on first use",
+            log.warning("qla-serving: start-up warm-up of %s failed (%s: %s); its kernel loads (or compiles) on first use",
                         label, type(e).__name__, e)
         if bar is not None:
             bar.update(1)

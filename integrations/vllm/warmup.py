@@ -100,5 +100,5 @@ def warm_up_layer(layer, sample: torch.Tensor) -> None:
         return
     _done.add(cfg)
     label = f"H={cfg.num_qk_heads} HV={cfg.num_v_heads} {str(cfg.dtype).replace('torch.', '')}"
-    run_warmup(warmup_steps(cfg, layer.A_log, layer.dt_bias), desc=f"qla-serving: compiling GDN kernels ({label})",
+    run_warmup(warmup_steps(cfg, layer.A_log, layer.dt_bias), desc=f"qla-serving: preparing GDN kernels ({label})",
                log=logger, device=sample.device)
