@@ -26,7 +26,7 @@ DECODE_CONFIGS: dict = {
     # Per pool dtype, bands of (max (sequence, value head) pairs, tile): the first band that
     # holds the call's pair count wins. Tile text ROWSxTHREADS[lLANES][bMINBLOCKS][s]: one CTA
     # per (sequence, value head, ROWS state rows), LANES lanes share a row (8 if omitted), s
-    # streams the in-place update (kernels/decode.py, DecodeTile). Small calls (<= 128 pairs)
+    # streams the in-place update (kernels/decode_program.py, DecodeTile). Small calls (<= 128 pairs)
     # want more CTAs in flight; above that one tile per pool dtype was best in every swept cell.
     "float32": {"bands": [(128, "16x128"), (None, "8x32l32s")]},
     "bfloat16": {"bands": [(128, "16x128"), (None, "16x64s")]},

@@ -1,6 +1,6 @@
 """The decode kernel's tiles: what a tile is, and which one a call gets.
 
-A :class:`DecodeTile` says how one CTA covers its share of a ``V x K`` state (kernels/decode.py's
+A :class:`DecodeTile` says how one CTA covers its share of a ``V x K`` state (kernels/decode_program.py's
 docstring); ``DECODE_CONFIGS`` (kernels/configs.py) chooses one per pool dtype and number of
 (sequence, value head) pairs, and :class:`force_tile` overrides the choice for tile sweeps.
 """

@@ -43,7 +43,7 @@ USER_DIR = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / "
 # The files whose code decides what the kernels compile to (the builders and the constants they
 # read); with PREFILL_CONFIGS, the one tuning table not in a kernel's key. Any edit to their code
 # makes a library stale (rebuild it with the edit); comments and blank lines are not digested.
-SOURCE_FILES = ("chunk_prefill.py", "decode.py", "decode_tiles.py")  # beside this file, and constants.py
+SOURCE_FILES = ("chunk_prefill_program.py", "decode_program.py", "decode_tiles.py")  # beside this file, and constants.py
 
 # C types of a ``call`` parameter as TileLang's host code declares them -> ctypes.
 _SCALAR_CTYPES = {"int": ctypes.c_int32, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,

@@ -344,7 +344,7 @@ def _makespan(chunk_counts: list[int], num_v_heads: int, sm_count: int, seg: int
 
 
 # Blocks per (work item, value head) of chunk_fwd: one, the whole V = 128 in one block
-# (kernels/chunk_prefill.py).
+# (kernels/chunk_prefill_program.py).
 KERNEL_V_BLOCKS = 1
 
 

@@ -153,9 +153,9 @@ def test_source_digest_follows_the_kernel_sources(tmp_path):
         f.write_text(f"# {f.name}\n")
     before = library.source_digest(files)
     assert library.source_digest(files) == before
-    files[1].write_text("# decode.py, edited\n")
+    files[1].write_text("# decode_program.py, edited\n")
     assert library.source_digest(files) == before  # comments are not code
-    files[1].write_text("X = 1  # decode.py\n\n")
+    files[1].write_text("X = 1  # decode_program.py\n\n")
     code = library.source_digest(files)
     assert code != before
     files[1].write_text("X = 1  # another comment\n")

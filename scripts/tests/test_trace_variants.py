@@ -71,8 +71,8 @@ def test_the_baseline_is_the_revision_s_source_with_absolute_imports(tmp_path):
     assert "fwd_role_nregs=(248,112,128,24)" in src
     ast.parse(src)
     saved = tmp_path / "base.py"
-    saved.write_text(subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:kernels/chunk_prefill.py"],
-                                    capture_output=True, text=True, check=True).stdout)
+    saved.write_text(subprocess.run(["git", "-C", str(ROOT), "show", "HEAD:kernels/chunk_prefill_program.py",
+                                     "HEAD:kernels/chunk_prefill.py"], capture_output=True, text=True, check=True).stdout)
     assert variants.baseline_source(str(saved)) == variants.baseline_source("HEAD")
 
 

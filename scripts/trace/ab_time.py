@@ -2,8 +2,10 @@
 
     python scripts/trace/ab_time.py --base 58c49bc [--base-nregs 240,120,128,24] 16:64:8x4096 2:8:1x8192:nocp
 
---base is a git revision, or a file with that revision's kernels/chunk_prefill.py (the GPU
-machine's copy of the tree has no history: `git show REV:kernels/chunk_prefill.py > f.py`).
+--base is a git revision, or a file with that revision's prefill kernel module (the GPU machine's
+copy of the tree has no history: `git show REV:kernels/chunk_prefill_program.py
+REV:kernels/chunk_prefill.py > f.py`, or `git show REV:kernels/chunk_prefill.py > f.py` before the
+two were split).
 
 Same inputs, same plan, CUDA-event medians of 50 calls after 5 (eager, or CUDA-graph replays with
 --graph; --rounds N repeats them, alternating which goes first, and takes the median over the

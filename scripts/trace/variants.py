@@ -1,4 +1,4 @@
-"""Variants of kernels/chunk_prefill.py for measurement only: clock64 timelines and baselines.
+"""Variants of the prefill kernels (kernels/chunk_prefill_program.py and chunk_prefill.py) for measurement only: clock64 timelines and baselines.
 
 A variant is the kernel module's source with text inserted at anchors (statements of the kernel
 bodies), imported from a temporary file. The stamps write ``clock64()`` of one thread per
@@ -18,7 +18,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KERNEL = os.path.join(ROOT, "kernels", "chunk_prefill.py")
+# the TileLang programs, then the host side that loads and launches them (one module here)
+KERNEL_FILES = ("kernels/chunk_prefill_program.py", "kernels/chunk_prefill.py")
 
 # chunk_fwd: (anchor, slot, occurrence, before). Slots 0-15 the state role (stamped by thread 0
 # of each of its two warpgroups: the later write wins), 16-23 the P role, 24 the producer.
@@ -74,8 +75,24 @@ class AnchorError(LookupError):
     pass
 
 
+def joined(sources: list[str]) -> str:
+    """The prefill kernel module as one source: the programs' file, then the host file without its
+    import of them (revisions before the split: their one file as it is)."""
+    return "".join(re.sub(r"from \.chunk_prefill_program import \([^)]*\)\n", "", s) for s in sources)
+
+
+def tree_source() -> str:
+    """The checkout's prefill kernel module, joined (:func:`joined`)."""
+    texts = []
+    for name in KERNEL_FILES:
+        with open(os.path.join(ROOT, name)) as f:
+            texts.append(f.read())
+    return joined(texts)
+
+
 def _absolute_imports(src: str) -> str:
     return (src.replace("from ..constants import", "from qla_serving.constants import")
+            .replace("from . import library", "from qla_serving.kernels import library")
             # revisions before qla_serving.constants
             .replace("from ..ops.gated_delta_rule.context_parallel import",
                      "from qla_serving.ops.gated_delta_rule.context_parallel import")
@@ -178,8 +195,7 @@ def run_traced(mod, cell: str):
 def traced_source(src: str | None = None) -> str:
     """The kernel module with both kernels stamped; ``TRACE['fwd']`` / ``TRACE['prep']`` are the buffers."""
     if src is None:
-        with open(KERNEL) as f:
-            src = f.read()
+        src = tree_source()
     src = _absolute_imports(src)
     src = src.replace("import threading\n", f"import threading\nTRACE = {{}}\nFWD_TC, FWD_NSLOT, PREP_NSLOT = {FWD_TC}, {FWD_NSLOT}, {PREP_NSLOT}\n", 1)
     a, b = src.index("def _build_prep"), src.index("def _build_chunk_fwd")
@@ -211,14 +227,21 @@ def traced_source(src: str | None = None) -> str:
 
 def baseline_source(rev: str, nregs: str | None = None) -> str:
     """The kernel module as of git revision ``rev`` (or a file holding it, e.g. from
-    ``git show REV:kernels/chunk_prefill.py > base.py``); ``nregs`` ("248,112,128,24") pins its
-    role registers."""
+    ``git show REV:kernels/chunk_prefill_program.py REV:kernels/chunk_prefill.py > base.py``, or
+    ``git show REV:kernels/chunk_prefill.py`` for a revision before the split); ``nregs``
+    ("248,112,128,24") pins its role registers."""
     if os.path.isfile(rev):  # a saved copy: the GPU machine's tree has no git history
         with open(rev) as f:
-            src = f.read()
+            src = joined([f.read()])
     else:
-        src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:kernels/chunk_prefill.py"], check=True,
-                             capture_output=True, text=True).stdout
+        texts = []
+        for name in KERNEL_FILES:
+            got = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{name}"], capture_output=True, text=True)
+            if got.returncode == 0:
+                texts.append(got.stdout)
+        if not texts:
+            raise FileNotFoundError(f"revision {rev} has none of {KERNEL_FILES}")
+        src = joined(texts)
     src = _absolute_imports(src)
     if nregs:
         src = src.replace("from qla_serving.kernels.configs import PREFILL_CONFIGS",
