@@ -159,17 +159,27 @@ def _flat(x: torch.Tensor, span: int) -> torch.Tensor:
     return torch.as_strided(x, (span,), (1,))
 
 
-def _token_rows(x: torch.Tensor, name: str, inner: tuple[int, ...]) -> int:
-    """The token stride of ``x`` (``[N, T, *inner]``, ``inner`` contiguous, the ``N x T`` tokens one
-    stride apart)."""
-    N, T_tok = x.shape[0], x.shape[1]
+def token_stride(x: torch.Tensor, inner: tuple[int, ...], row_multiple: int = 1) -> int | None:
+    """The token stride (elements) at which the kernel reads ``x`` (``[N, T, *inner]``) in place,
+    or None where it cannot: ``inner`` contiguous per token, the ``N * T`` tokens one stride
+    apart, that stride at least one token wide and a multiple of ``row_multiple`` (0 for a single
+    token). A contiguous tensor qualifies, and so does a column range of a packed buffer."""
     st = x.stride()
-    assert st[-1] == 1 and (len(inner) == 1 or inner[0] == 1 or st[-2] == inner[-1]), (
-        f"{name}: inner dims not contiguous, strides {st}")
+    width = 1
+    for d in range(len(inner) - 1, -1, -1):
+        if inner[d] > 1 and st[2 + d] != width:
+            return None
+        width *= inner[d]
+    N, T_tok = x.shape[0], x.shape[1]
     if T_tok > 1:
-        assert N == 1 or st[0] == T_tok * st[1], f"{name}: tokens not one stride apart, strides {st}"
-        return st[1]
-    return st[0] if N > 1 else 0
+        if N > 1 and st[0] != T_tok * st[1]:
+            return None
+        step = st[1]
+    elif N > 1:
+        step = st[0]
+    else:
+        return 0
+    return step if step >= width and step % row_multiple == 0 else None
 
 
 def gated_delta_rule_decode_fwd(
@@ -234,10 +244,10 @@ def gated_delta_rule_decode_fwd(
     if N == 0:
         return
     tokens = N * T_tok
-    strides = [_token_rows(x, name, inner) for x, name, inner in
-               ((q, "q", (H, K)), (k, "k", (H, K)), (v, "v", (HV, V)), (a, "a", (HV,)), (b, "b", (HV,)))]
-    for x, stride in ((q, strides[0]), (k, strides[1])):
-        assert x.data_ptr() % 16 == 0 and stride % (H * K) == 0, "q/k tokens must start at multiples of H*K"
+    strides = [token_stride(x, inner, rows) for x, inner, rows in
+               ((q, (H, K), H * K), (k, (H, K), H * K), (v, (HV, V), 1), (a, (HV,), 1), (b, (HV,), 1))]
+    assert None not in strides, f"an input the kernel cannot read in place: token strides {strides}"
+    assert q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0, "q/k must start 16-byte aligned"
     assert max(strides) < 2**31
     q_k = [torch.as_strided(x, ((tokens - 1) * (st // (H * K)) + 1, H, K), (H * K, K, 1))
            for x, st in ((q, strides[0]), (k, strides[1]))]

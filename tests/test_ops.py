@@ -7,6 +7,7 @@ import torch
 
 import qla_serving
 from qla_serving import backend
+from qla_serving.kernels import decode as decode_host
 from qla_serving.ops.gated_delta_rule.naive import recurrent_decode_ref, recurrent_gated_delta_rule_ref
 
 from helpers import cu_of, make_gates, make_qkv, rel_err
@@ -143,7 +144,7 @@ def test_decode_reads_packed_views_with_null_slot(T):
                packed[:, 2 * H * K:D].view(N, T, HV, K))
     b, a = (x.reshape(N, T, HV) for x in ab.chunk(2, dim=-1))
     assert not q.is_contiguous() and not a.is_contiguous()
-    assert qla_serving.ops.gated_delta_rule.checks.token_rows(q, (H, K), H * K)
+    assert decode_host.token_stride(q, (H, K), H * K) == D + HV * K  # read in place, a packed row apart
     A_log, dt_bias = torch.empty(HV).uniform_(-4, 1.5), torch.randn(HV)
     pool = torch.randn(6, HV, K, K)
     before = pool.clone()
@@ -166,7 +167,7 @@ def test_decode_copies_inputs_it_cannot_read_in_place():
     q, k = torch.randn(N, 1, K, H).transpose(-1, -2), torch.randn(N, 1, H, K)  # q: K-major heads
     v, a, b = torch.randn(N, 1, HV, K), torch.randn(N, 1, HV), torch.randn(N, 1, HV)
     A_log, dt_bias = torch.zeros(HV), torch.zeros(HV)
-    assert not qla_serving.ops.gated_delta_rule.checks.token_rows(q, (H, K), H * K)
+    assert decode_host.token_stride(q, (H, K), H * K) is None  # copied first
     pool = torch.randn(4, HV, K, K)
     pool2 = pool.clone()
     o = qla_serving.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, pool, torch.tensor([2, 0, 1]))
@@ -301,3 +302,23 @@ def test_prefill_kernel_entry_with_only_empty_sequences(pool_dtype):
         torch.empty(0, HV), pool_ref, torch.tensor([3, 1], dtype=torch.int32), plan=plan,
         has_initial_state=torch.tensor([True, False]))
     assert torch.equal(pool_ref, pool)
+
+
+def test_token_stride_is_what_the_decode_kernel_reads_in_place():
+    """The rule the op copies by and the kernel's launch reads by (one function): the token stride
+    of a contiguous tensor, of a packed buffer's column range, of one sequence of T tokens; None
+    for a layout the kernel cannot read."""
+    N, T, H, K, HV = 3, 2, 2, 16, 4
+    token_stride = decode_host.token_stride
+    assert token_stride(torch.empty(N, 1, H, K), (H, K), H * K) == H * K
+    assert token_stride(torch.empty(N, T, H, K), (H, K), H * K) == H * K
+    assert token_stride(torch.empty(1, 1, H, K), (H, K), H * K) == 0  # a single token: no stride
+    packed = torch.empty(N * T, 5 * H * K)
+    q = packed[:, H * K:2 * H * K].view(N, T, H, K)
+    assert token_stride(q, (H, K), H * K) == 5 * H * K
+    odd = torch.empty(N * T, 2 * H * K + 8)[:, :H * K].view(N * T, 1, H, K)  # rows 72 elements apart
+    assert token_stride(odd, (H, K), H * K) is None and token_stride(odd, (H, K)) == 2 * H * K + 8
+    assert token_stride(torch.empty(N, 1, K, H).transpose(-1, -2), (H, K), H * K) is None  # K-major heads
+    ab = torch.empty(N * T, 2 * HV)
+    assert token_stride(ab[:, HV:].view(N, T, HV), (HV,)) == 2 * HV
+    assert token_stride(torch.empty(T, N, HV).transpose(0, 1), (HV,)) is None  # tokens not one stride apart

@@ -110,23 +110,3 @@ def expect_slots(name: str, idx: torch.Tensor, num_slots: int, n: int, allow_pad
     live = idx[idx >= max(min_slot, 0)]
     if live.unique().numel() != live.numel():
         raise ValueError(f"{name} names a slot twice: each sequence needs its own state slot")
-
-
-def token_rows(x: torch.Tensor, inner: tuple[int, ...], row_multiple: int = 1) -> bool:
-    """Whether ``x`` (``[N, T, *inner]``) has ``inner`` contiguous per token and its ``N * T``
-    tokens one stride apart, that stride a multiple of ``row_multiple`` elements: the layout the
-    decode kernel reads in place (a contiguous tensor, or a column range of a packed buffer)."""
-    st = x.stride()
-    width = 1
-    for d in range(len(inner) - 1, -1, -1):
-        if inner[d] > 1 and st[2 + d] != width:
-            return False
-        width *= inner[d]
-    N, T = x.shape[0], x.shape[1]
-    if T > 1:
-        if N > 1 and st[0] != T * st[1]:
-            return False
-        step = st[1]
-    else:
-        step = st[0] if N > 1 else row_multiple
-    return step >= width and step % row_multiple == 0

@@ -17,15 +17,20 @@ from .naive import recurrent_decode_ref
 _kernel_module = None
 
 
-def _decode_kernel():
-    """The TileLang decode step (imported on first use: TileLang loads only where it runs; then
-    the module is kept, an attribute read per call instead of an import statement)."""
+def _kernel():
+    """The decode kernel's host module (imported on first use, then kept: an attribute read per
+    call instead of an import statement; it loads no TileLang)."""
     global _kernel_module
     if _kernel_module is None:
         from ...kernels import decode
 
         _kernel_module = decode
-    return _kernel_module.gated_delta_rule_decode_fwd
+    return _kernel_module
+
+
+def _decode_kernel():
+    """The TileLang decode step's entry point."""
+    return _kernel().gated_delta_rule_decode_fwd
 
 
 def gated_delta_rule_decode(
@@ -110,16 +115,18 @@ def gated_delta_rule_decode(
     checks.expect_same_device(q.device, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
                               state_pool=state_pool, state_indices=state_indices,
                               intermediate_states=intermediate_states, out=out)
-    # Row-strided views are read in place; anything else is copied into the layout the kernel reads.
-    if not (checks.token_rows(q, (H, K), H * K) and q.data_ptr() % 16 == 0):
+    # Row-strided views are read in place (the kernel module's rule); anything else is copied into
+    # the layout the kernel reads.
+    token_stride = _kernel().token_stride
+    if token_stride(q, (H, K), H * K) is None or q.data_ptr() % 16:
         q = q.contiguous()
-    if not (checks.token_rows(k, (H, K), H * K) and k.data_ptr() % 16 == 0):
+    if token_stride(k, (H, K), H * K) is None or k.data_ptr() % 16:
         k = k.contiguous()
-    if not checks.token_rows(v, (HV, V)):
+    if token_stride(v, (HV, V)) is None:
         v = v.contiguous()
-    if not checks.token_rows(a, (HV,)):
+    if token_stride(a, (HV,)) is None:
         a = a.contiguous()
-    if not checks.token_rows(b, (HV,)):
+    if token_stride(b, (HV,)) is None:
         b = b.contiguous()
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True,
                         min_slot=min_slot)
