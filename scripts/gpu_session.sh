@@ -33,6 +33,33 @@ mkdir -p "$OUT"
 . "$here/scripts/gpu_stage.sh"
 cd "$QLA_STAGE"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+# The servers of serve-split / stress-split: one harness run per slot (GPUS:BACKEND:REST, GPUS one
+# GPU or a comma-separated group), in the background with its own GPUs, port and vLLM cache, then the
+# harness's --collect of what they saved. REST: serve's server sample, or stress's PHASE[:K,K...].
+side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's matches shown, default all]
+  local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out
+  local -a extra
+  rm -f /tmp/$prefix-*.log  # an earlier call's, on a machine kept warm
+  python3 -m "$module" $args --dry-run >/dev/null  # the model's files, before any server reads them
+  for slot in $slots; do
+    IFS=: read -r gpus backend rest <<<"$slot"
+    if [[ $module == e2e_bench.serve ]]; then
+      extra=(--server-sample "${rest:-1}") out=/tmp/qla-split-$i log=/tmp/$prefix-gpu$gpus-$backend.log
+    else
+      IFS=: read -r phase ks <<<"$rest"
+      extra=(--phase "$phase") out=/tmp/$prefix-out-$i log=/tmp/$prefix-${gpus//,/-}-$backend-$phase.log
+      [[ $phase != spec ]] || extra+=(--spec-tokens ${ks//,/ } --wait-oracle 900)
+    fi
+    CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-} python3 -m "$module" $args \
+      --backends "$backend" "${extra[@]}" --port $((8321 + 100 * i)) --out-dir "$out" >"$log" 2>&1 &
+    i=$((i + 1))
+  done
+  for job in $(jobs -p); do wait "$job" || rc=1; done
+  for log in /tmp/$prefix-*.log; do echo "-- ${log##*/}"; grep -E "$pattern" "$log" | tail -n "$lines"; done
+  python3 -m "$module" $args --collect --out-dir "$OUT" || rc=$?
+  return $rc
+}
+
 status=0
 for step in "$@"; do
   echo "== $step"
@@ -85,38 +112,16 @@ for step in "$@"; do
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
     serve-split)
-      ( rc=0; i=0
-        rm -f /tmp/qla-serve-split-gpu*.log  # an earlier call's, on a machine kept warm
-        python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} --dry-run >/dev/null  # the model's files, before any server reads them
-        for slot in ${QLA_SERVE_SPLIT:?GPU:BACKEND[:SAMPLE] ...}; do
-          IFS=: read -r gpu backend sample <<<"$slot"
-          CUDA_VISIBLE_DEVICES=$gpu VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-$gpu python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} \
-            --backends "$backend" --server-sample "${sample:-1}" --port $((8321 + 100 * i)) --out-dir "/tmp/qla-split-$i" \
-            >"/tmp/qla-serve-split-gpu$gpu-$backend.log" 2>&1 &
-          i=$((i + 1))
-        done
-        for job in $(jobs -p); do wait "$job" || rc=1; done
-        for log in /tmp/qla-serve-split-gpu*.log; do echo "-- ${log##*/}"; grep -E "healthy|warm-up|point|FAILED|budget" "$log"; done
-        python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} --collect --out-dir "$OUT" || rc=$?
+      ( side_by_side e2e_bench.serve "${QLA_SERVE_ARGS:-}" "${QLA_SERVE_SPLIT:?GPU:BACKEND[:SAMPLE] ...}" \
+          qla-serve-split "healthy|warm-up|point|FAILED|budget"
+        rc=$?
         tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
     stress-split)
-      ( rc=0; i=0
-        rm -f /tmp/qla-stress-split-*.log  # an earlier call's, on a machine kept warm
-        python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --dry-run >/dev/null  # the model's files, before any server reads them
-        for slot in ${QLA_STRESS_SPLIT:?GPUS:BACKEND:PHASE[:K,K...] ...}; do
-          IFS=: read -r gpus backend phase ks <<<"$slot"
-          extra=(); [[ $phase != spec ]] || extra=(--spec-tokens ${ks//,/ } --wait-oracle 900)
-          CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-} python3 -m e2e_bench.stress \
-            ${QLA_STRESS_ARGS:-} --backends "$backend" --phase "$phase" ${extra[@]+"${extra[@]}"} \
-            --port $((8321 + 100 * i)) --out-dir "/tmp/qla-stress-split-out-$i" \
-            >"/tmp/qla-stress-split-${gpus//,/-}-$backend-$phase.log" 2>&1 &
-          i=$((i + 1))
-        done
-        for job in $(jobs -p); do wait "$job" || rc=1; done
-        for log in /tmp/qla-stress-split-*.log; do echo "-- ${log##*/}"; grep -E "healthy|oracle|FAILED|died|budget|: [0-9]+ of" "$log" | tail -12; done
-        python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --collect --out-dir "$OUT" || rc=$?
+      ( side_by_side e2e_bench.stress "${QLA_STRESS_ARGS:-}" "${QLA_STRESS_SPLIT:?GPUS:BACKEND:PHASE[:K,K...] ...}" \
+          qla-stress-split "healthy|oracle|FAILED|died|budget|: [0-9]+ of" 12
+        rc=$?
         tar -C /tmp --exclude='*/model' -cJf "$OUT/stress-logs.tar.xz" $(cd /tmp && ls -d qla-stress-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/stress.log" | tail -60 ;;
     install)
