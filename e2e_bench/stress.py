@@ -578,26 +578,28 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     if args.phase in ("all", "stress"):
         srv = start("stress")
         if srv is not None:
-            # (label, the plan's scenario, the answers, crashed, seconds); compared with the oracle
-            # after the last scenario, which a run beside this one may still be making
-            answered = []
+            # every scenario's row in order; the request scenarios' answers are scored against the
+            # oracle after the last one (a run beside this one may still be making it)
+            rows, unscored = [], []  # unscored: (row, the plan's scenario, the answers)
             try:
                 for scenario in args.scenarios:
                     t0 = time.monotonic()
                     if scenario == "bad":
                         bad = asyncio.run(run_bad(s.engine, s.port, s.max_len))
-                        answered.append({"backend": backend, "scenario": "bad", "sent": len(bad),
-                                         "no_5xx": sum(0 < b["status"] < 500 for b in bad),
-                                         "served_after": sum(b["healthy_after"] and b["serves_after"] for b in bad),
-                                         "requests": bad, "crashed": not srv.alive(),
-                                         "seconds": round(time.monotonic() - t0, 1)})
-                        serve.log(f"{backend} bad: {answered[-1]['no_5xx']} of {len(bad)} without a 5xx, "
-                                  f"served after {answered[-1]['served_after']}")
+                        rows.append({"backend": backend, "scenario": "bad", "sent": len(bad),
+                                     "no_5xx": sum(0 < b["status"] < 500 for b in bad),
+                                     "served_after": sum(b["healthy_after"] and b["serves_after"] for b in bad),
+                                     "requests": bad, "crashed": not srv.alive(),
+                                     "seconds": round(time.monotonic() - t0, 1)})
+                        serve.log(f"{backend} bad: {rows[-1]['no_5xx']} of {len(bad)} without a 5xx, "
+                                  f"served after {rows[-1]['served_after']}")
                     else:
                         concurrent = scenario != "prefix"
                         got = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent,
                                                        deadline=budget.deadline()))
-                        answered.append((scenario, scenario, got, not srv.alive(), round(time.monotonic() - t0, 1)))
+                        rows.append({"scenario": scenario, "crashed": not srv.alive(),
+                                     "seconds": round(time.monotonic() - t0, 1)})
+                        unscored.append((rows[-1], scenario, got))
                         if scenario == "prefix":  # again, after unrelated long prompts push the cache out
                             t0 = time.monotonic()
                             flood = [{"id": f"flood-{i}", "prompt": ids(random.Random(i), args.max_prompt),
@@ -606,25 +608,24 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                                      deadline=budget.deadline()))
                             again = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent=True,
                                                              deadline=budget.deadline()))
-                            answered.append(("prefix-after-eviction", scenario, again, not srv.alive(),
-                                             round(time.monotonic() - t0, 1)))
+                            rows.append({"scenario": "prefix-after-eviction", "crashed": not srv.alive(),
+                                         "seconds": round(time.monotonic() - t0, 1)})
+                            unscored.append((rows[-1], scenario, again))
                         serve.log(f"{backend} {scenario}: {sum(g.get('status') == 200 for g in got.values())} "
-                                  f"of {len(got)} answered 200 ({answered[-1][4]} s)")
+                                  f"of {len(got)} answered 200 ({rows[-1]['seconds']} s)")
                     if not srv.alive():
                         serve.log(f"server {backend} died in {scenario}:\n{serve.tail(srv.log_path)}")
                         break
                 m = metrics() if srv.alive() else {}
-                orc = the_oracle() if any(isinstance(a, tuple) for a in answered) else oracle
-                rows = []
-                for a in answered:
-                    if isinstance(a, tuple):
-                        label, scenario, got, crashed, seconds = a
-                        row = compared(summarize(s.engine, plan, orc or {}, got, scenario), orc)
-                        row.update(backend=backend, scenario=label, crashed=crashed, seconds=seconds)
-                        a = row
-                    a["server_metrics"] = m
-                    rows.append(a)
-                    serve.log(f"{backend} {a['scenario']}: {json.dumps({k: v for k, v in a.items() if k != 'requests'})}")
+                orc = the_oracle() if unscored else oracle
+                for row, scenario, got in unscored:
+                    # the summary's own scenario name gives way to the row's (prefix-after-eviction)
+                    row.update({**compared(summarize(s.engine, plan, orc or {}, got, scenario), orc), **row,
+                                "backend": backend})
+                for row in rows:
+                    row["server_metrics"] = m
+                    serve.log(f"{backend} {row['scenario']}: "
+                              f"{json.dumps({k: v for k, v in row.items() if k != 'requests'})}")
                 save_part(work, key, backend, "stress", rows, info("stress", srv))
             finally:
                 srv.stop()
