@@ -199,6 +199,7 @@ def gated_delta_rule_decode_fwd(
     intermediate_states=None,
     inplace_final_state: bool = True,
     min_slot: int = 0,
+    token_strides: tuple[int, ...] | None = None,
 ) -> None:
     """Run the fused decode step (kernel entry point; the op layer validates the inputs).
 
@@ -223,6 +224,8 @@ def gated_delta_rule_decode_fwd(
             receives the state after each token (rows of padded sequences are not written).
         inplace_final_state: write the state after the last token back to the pool.
         min_slot: the lowest slot number of a live row (0: ``-1`` marks padding).
+        token_strides: :func:`token_stride` of q, k, v, a and b when the caller has them (the op
+            works them out to decide its copies); worked out here when None.
 
     No host synchronisation and no allocation: CUDA-graph capturable once the configuration
     is compiled (call :func:`warmup` or run once before capture).
@@ -235,23 +238,24 @@ def gated_delta_rule_decode_fwd(
     slot_stride = state_pool.stride(0)
     # 16-byte vector accesses need a 16-byte-aligned base and slot stride.
     assert state_pool.data_ptr() % 16 == 0 and slot_stride % vec == 0
-    pool_flat = _flat(state_pool, (state_pool.shape[0] - 1) * slot_stride + HV * V * K)
     if intermediate_states is not None:
         assert intermediate_states.is_contiguous() and intermediate_states.dtype == state_pool.dtype
-        inter_flat = intermediate_states.view(-1)
-    else:
-        inter_flat = pool_flat  # unused by the kernel compiled without intermediates
     if N == 0:
         return
     tokens = N * T_tok
-    strides = [token_stride(x, inner, rows) for x, inner, rows in
-               ((q, (H, K), H * K), (k, (H, K), H * K), (v, (HV, V), 1), (a, (HV,), 1), (b, (HV,), 1))]
+    if token_strides is None:
+        token_strides = tuple(token_stride(x, inner, rows) for x, inner, rows in
+                              ((q, (H, K), H * K), (k, (H, K), H * K), (v, (HV, V), 1), (a, (HV,), 1),
+                               (b, (HV,), 1)))
+    strides = token_strides
     assert None not in strides, f"an input the kernel cannot read in place: token strides {strides}"
     assert q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0, "q/k must start 16-byte aligned"
     assert max(strides) < 2**31
-    q_k = [torch.as_strided(x, ((tokens - 1) * (st // (H * K)) + 1, H, K), (H * K, K, 1))
-           for x, st in ((q, strides[0]), (k, strides[1]))]
-    v_a_b = [_flat(x, (tokens - 1) * st + w) for x, st, w in zip((v, a, b), strides[2:], (HV * V, HV, HV))]
+    # What the kernel reads: q and k as [rows, H, K] from their first token (a packed buffer's
+    # columns: rows = whole packed rows spanned), v, a, b, the pool and the intermediates flat.
+    qk_rows = [(tokens - 1) * (st // (H * K)) + 1 for st in strides[:2]]
+    flat_lens = [(tokens - 1) * st + w for st, w in zip(strides[2:], (HV * V, HV, HV))]
+    pool_len = (state_pool.shape[0] - 1) * slot_stride + HV * V * K
     key = _key(
         H,
         HV,
@@ -268,6 +272,21 @@ def gated_delta_rule_decode_fwd(
         _tile_for(N * HV, state_pool.dtype),
     )
     kernel = _get_kernel(key)
+    if isinstance(kernel, library.LibraryKernel):
+        # The launcher reads only pointers and shapes: spans instead of views (no torch op).
+        dev = q.device
+        Span = library.Span
+        q_k = [Span(x.data_ptr(), (rows, H, K), dev) for x, rows in zip((q, k), qk_rows)]
+        v_a_b = [Span(x.data_ptr(), (n,), dev) for x, n in zip((v, a, b), flat_lens)]
+        pool_flat = Span(state_pool.data_ptr(), (pool_len,), dev)
+        inter_flat = pool_flat if intermediate_states is None else Span(
+            intermediate_states.data_ptr(), (intermediate_states.numel(),), dev)
+    else:
+        q_k = [torch.as_strided(x, (rows, H, K), (H * K, K, 1)) for x, rows in zip((q, k), qk_rows)]
+        v_a_b = [_flat(x, n) for x, n in zip((v, a, b), flat_lens)]
+        pool_flat = _flat(state_pool, pool_len)
+        # (unused by the kernel compiled without intermediates)
+        inter_flat = pool_flat if intermediate_states is None else intermediate_states.view(-1)
     kernel(
         *q_k,
         *v_a_b,

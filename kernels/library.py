@@ -111,6 +111,22 @@ def parse_signature(lib_code: str, entry: str = "call") -> list[tuple[str, str]]
     return params
 
 
+class Span:
+    """What a library kernel's launcher reads of a tensor argument: its data pointer, the shape
+    TileLang's host code takes its shape variables from, and its device. The kernel entries hand
+    one to a :class:`LibraryKernel` where a TileLang-compiled kernel needs a strided view of an
+    engine buffer: the same launch arguments without building the view (a torch op of a
+    microsecond or two of host time each, several per layer call)."""
+
+    __slots__ = ("_ptr", "shape", "device")
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], device: torch.device):
+        self._ptr, self.shape, self.device = ptr, shape, device
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
 class LibraryKernel:
     """One precompiled kernel, called like the TileLang kernel it was built from: the prim
     function's parameters in order (tensors, then Python scalars), on the current stream.

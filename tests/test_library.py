@@ -313,3 +313,69 @@ def test_library_prefill_kernels_match_jit_bit_for_bit():
         assert torch.equal(o1, o2) and torch.equal(p1, p2), f"prefill {cfg}: library and JIT differ"
         checked += 1
     assert checked
+
+
+class _RecordingLib:
+    """Stands in for a kernel library's CDLL: every ``<symbol>_call`` records its C arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name.endswith("_call"):
+            def call(*args):
+                self.calls.append(args)
+                return 0
+            return call
+        return (lambda: b"") if name.endswith("_get_last_error") else (lambda: 0)
+
+
+# The decode kernel's C parameters in the entry's argument order (11 buffers, then its scalars),
+# and a shape variable for the leading dimension of every buffer whose length TileLang reads.
+_DECODE_BUFFERS = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "pool", "state_indices", "o", "inter"]
+_DECODE_SCALARS = [["int64_t", "slot_stride_vec"], ["int", "q_stride"], ["int", "k_stride"], ["int", "v_stride"],
+                   ["int", "a_stride"], ["int", "b_stride"], ["int", "min_slot"], ["float", "scale"]]
+_DECODE_DYNAMIC = [[f"{n}_len", i, 0] for i, n in enumerate(_DECODE_BUFFERS)] + [["q_heads", 0, 1], ["k_heads", 1, 1]]
+
+
+@pytest.mark.parametrize("N,T,inter", [(5, 1, False), (1, 1, False), (3, 4, True)])
+def test_decode_entry_hands_a_library_kernel_spans_with_the_views_arguments(monkeypatch, N, T, inter):
+    """The decode entry gives a library kernel pointer-and-shape spans where a TileLang kernel gets
+    strided views of the engine's buffers: the launcher must receive the same C arguments."""
+    monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
+    entry = dict(symbol="decode", num_args=len(_DECODE_BUFFERS) + len(_DECODE_SCALARS), dynamic=_DECODE_DYNAMIC,
+                 params=[["ptr", n] for n in _DECODE_BUFFERS] + _DECODE_SCALARS + [["int", d[0]] for d in _DECODE_DYNAMIC])
+    lib = _RecordingLib()
+    kernel = library.LibraryKernel(lib, entry, "test")
+    H, HV, K = 2, 8, 128
+    # The engine's layout: q, k, v column ranges of one packed conv output, a and b halves of one
+    # gate projection, a pool whose slots are padded apart.
+    packed = torch.randn(N * T, (2 * H + HV) * K, dtype=torch.bfloat16)
+    q, k, v = (x.view(N, T, -1, K) for x in packed.split([H * K, H * K, HV * K], dim=-1))
+    a, b = (x.view(N, T, HV) for x in torch.randn(N * T, 2 * HV, dtype=torch.bfloat16).split([HV, HV], dim=-1))
+    pool = torch.zeros(7, HV * K * K + 64, dtype=torch.float32)[:, : HV * K * K].view(7, HV, K, K)
+    out = torch.empty(N, T, HV, K, dtype=torch.bfloat16)
+    states = torch.empty(N, T, HV, K, K, dtype=torch.float32) if inter else None
+    slots = torch.randperm(7)[:N].to(torch.int32)
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV)
+
+    def run(k_obj, strides):
+        monkeypatch.setattr(decode, "_get_kernel", lambda key: k_obj)
+        decode.gated_delta_rule_decode_fwd(q, k, v, a, b, A_log, dt_bias, state_pool=pool, state_indices=slots,
+                                           scale=0.125, use_qk_l2norm=True, out=out, intermediate_states=states,
+                                           inplace_final_state=not inter, min_slot=1, token_strides=strides)
+        return lib.calls.pop()
+
+    spans = run(kernel, None)
+    views = run(lambda *args: kernel(*args), None)  # not a LibraryKernel: the entry builds views
+    assert spans == views
+    strides = tuple(decode.token_stride(x, inner, rows) for x, inner, rows in
+                    ((q, (H, K), H * K), (k, (H, K), H * K), (v, (HV, K), 1), (a, (HV,), 1), (b, (HV,), 1)))
+    assert run(kernel, strides) == spans  # the op's strides, passed down, are the entry's own
+    assert spans[0] == q.data_ptr() and spans[1] == k.data_ptr() and spans[7] == pool.data_ptr()
+    if N * T > 1:  # the token strides the kernel reads: one packed row apart
+        row = (2 * H + HV) * K
+        assert spans[12:17] == (row // (H * K), row // (H * K), row, 2 * HV, 2 * HV)

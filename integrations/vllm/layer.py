@@ -244,8 +244,13 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             # Pure decode: in serving a FULL CUDA graph replays this (two kernels per layer: vLLM's
             # conv update, then our decode reading the conv output and vLLM's slots in place).
             nd = md.num_decode_tokens
-            x_d, a_d, b_d = (_rows(t, 0, nd)[1] for t in (qkv_ns, a_ns, b_ns))
-            self._qla_decode(x_d, a_d, b_d, ssm_state, md.non_spec_state_indices_tensor[:nd], core_attn_out[:nd])
+            slots = md.non_spec_state_indices_tensor
+            if qkv_ns.shape[0] == nd and slots.shape[0] == nd and core_attn_out.shape[0] == nd:
+                # every row a decode (eager steps): the tensors as they are, no slicing op
+                self._qla_decode(qkv_ns, a_ns, b_ns, ssm_state, slots, core_attn_out)
+            else:
+                x_d, a_d, b_d = (_rows(t, 0, nd)[1] for t in (qkv_ns, a_ns, b_ns))
+                self._qla_decode(x_d, a_d, b_d, ssm_state, slots[:nd], core_attn_out[:nd])
 
         if spec:
             if only_spec:

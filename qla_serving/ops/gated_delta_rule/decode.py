@@ -116,18 +116,28 @@ def gated_delta_rule_decode(
                               state_pool=state_pool, state_indices=state_indices,
                               intermediate_states=intermediate_states, out=out)
     # Row-strided views are read in place (the kernel module's rule); anything else is copied into
-    # the layout the kernel reads.
+    # the layout the kernel reads. The strides go to the kernel entry as they are.
     token_stride = _kernel().token_stride
-    if token_stride(q, (H, K), H * K) is None or q.data_ptr() % 16:
+    st_q = token_stride(q, (H, K), H * K)
+    if st_q is None or q.data_ptr() % 16:
         q = q.contiguous()
-    if token_stride(k, (H, K), H * K) is None or k.data_ptr() % 16:
+        st_q = token_stride(q, (H, K), H * K)
+    st_k = token_stride(k, (H, K), H * K)
+    if st_k is None or k.data_ptr() % 16:
         k = k.contiguous()
-    if token_stride(v, (HV, V)) is None:
+        st_k = token_stride(k, (H, K), H * K)
+    st_v = token_stride(v, (HV, V))
+    if st_v is None:
         v = v.contiguous()
-    if token_stride(a, (HV,)) is None:
+        st_v = token_stride(v, (HV, V))
+    st_a = token_stride(a, (HV,))
+    if st_a is None:
         a = a.contiguous()
-    if token_stride(b, (HV,)) is None:
+        st_a = token_stride(a, (HV,))
+    st_b = token_stride(b, (HV,))
+    if st_b is None:
         b = b.contiguous()
+        st_b = token_stride(b, (HV,))
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True,
                         min_slot=min_slot)
     if intermediate_states is not None:
@@ -149,7 +159,8 @@ def gated_delta_rule_decode(
     if fwd is not None:
         fwd(q, k, v, a, b, A_log, dt_bias, state_pool=state_pool, state_indices=state_indices, scale=scale,
             use_qk_l2norm=use_qk_l2norm_in_kernel, out=out, intermediate_states=intermediate_states,
-            inplace_final_state=inplace_final_state, min_slot=min_slot)
+            inplace_final_state=inplace_final_state, min_slot=min_slot,
+            token_strides=(st_q, st_k, st_v, st_a, st_b))
     else:
         live = state_indices >= max(min_slot, 0)
         slots = state_indices.long().clamp(min=0)
