@@ -92,12 +92,15 @@ def missing(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_d
     return [f"{kind} {cfg}" for kind in ("prep", "chunk_fwd") if not library.has(kind, cfg)]
 
 
-def _flat_pool(state_pool: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of the pool from slot 0 to the end of the last slot (slot stride kept as is)."""
+def _flat_pool(state_pool: torch.Tensor, span: bool = False):
+    """The pool as one flat buffer from slot 0 to the end of the last slot (slot stride kept as
+    is): a 1-D view, or with ``span`` the :class:`~.library.Span` a library kernel reads."""
     n, hv, vd, kd = state_pool.shape
     if state_pool.stride()[1:] != (vd * kd, kd, 1):
         raise ValueError("state_pool's inner three dims [HV, V, K] must be contiguous")
     numel = (n - 1) * state_pool.stride(0) + hv * vd * kd
+    if span:
+        return library.Span(state_pool.data_ptr(), (numel,), state_pool.device)
     return state_pool.as_strided((numel,), (1,))
 
 
@@ -169,18 +172,22 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
         ckpt, every_chunks = checkpoints, every // CHUNK
     cu = plan.cu_seqlens
     items = plan.work_items
-    flat_pool = _flat_pool(state_pool)
+    # A library kernel reads pointers and shapes: spans instead of views (no torch op).
+    spans = isinstance(fwd, library.LibraryKernel)
+    flat_pool = _flat_pool(state_pool, spans)
     h0_pool, h0_slots, h0_stride = flat_pool, state_indices, state_pool.stride(0)
     if plan.context_parallel is not None:
         # Several work items of one sequence run at once and the last one writes the final
         # state into the slot the others read their start state from: they read a snapshot.
         # (index_select takes the int32 indices as they are: no cast kernel)
-        h0_pool = torch.index_select(state_pool, 0, state_indices)
-        h0_stride = h0_pool.stride(0)
-        h0_pool = h0_pool.view(-1)
+        snapshot = torch.index_select(state_pool, 0, state_indices)
+        h0_stride = snapshot.stride(0)
+        h0_pool = library.Span(snapshot.data_ptr(), (snapshot.numel(),), dev) if spans else snapshot.view(-1)
         h0_slots = plan.seq_ids
+    has_initial = (library.Span(has_initial_state.data_ptr(), tuple(has_initial_state.shape), dev) if spans
+                   else has_initial_state.view(torch.uint8))
     prep(q, k, g, beta, plan.chunk_bounds, t_beta, g_cum, qk_rnorm)
     fwd(q, k, v, t_beta, g_cum, qk_rnorm, cu, plan.chunk_offsets, items, plan.checkpoint_offsets,
-        has_initial_state.view(torch.uint8), h0_slots, h0_pool, h0_stride, state_indices, flat_pool,
+        has_initial, h0_slots, h0_pool, h0_stride, state_indices, flat_pool,
         state_pool.stride(0), every_chunks, ckpt, float(LOG_DECAY_THRESHOLD), float(scale), out)
     return dict(t_beta=t_beta, g_cum=g_cum, qk_rnorm=qk_rnorm)

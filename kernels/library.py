@@ -188,7 +188,14 @@ def _on_device(device: int):
     return torch.cuda.device(device)
 
 
+# The current stream's handle as an int, as torch's Inductor-generated code reads it
+# (get_raw_stream): no Stream object built per launch. CUDA builds of torch have it.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_stream(device: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device)
     return torch.cuda.current_stream(device).cuda_stream
 
 

@@ -379,3 +379,70 @@ def test_decode_entry_hands_a_library_kernel_spans_with_the_views_arguments(monk
     if N * T > 1:  # the token strides the kernel reads: one packed row apart
         row = (2 * H + HV) * K
         assert spans[12:17] == (row // (H * K), row // (H * K), row, 2 * HV, 2 * HV)
+
+
+def _recorded_kernel(lib, symbol, args):
+    """A LibraryKernel for ``lib`` whose C parameters follow ``args`` (a call's arguments as a
+    TileLang kernel receives them): a pointer per tensor, then a shape variable per tensor dim."""
+    params, dynamic = [], []
+    for i, a in enumerate(args):
+        if hasattr(a, "data_ptr"):
+            params.append(["ptr", f"arg{i}"])
+            dynamic += [[f"arg{i}_dim{d}", i, d] for d in range(len(a.shape))]
+        else:
+            params.append(["float" if isinstance(a, float) else "int64_t", f"arg{i}"])
+    entry = dict(symbol=symbol, num_args=len(args), dynamic=dynamic, params=params + [["int", d[0]] for d in dynamic])
+    return library.LibraryKernel(lib, entry, "test")
+
+
+@pytest.mark.parametrize("lens,cp", [([700, 3, 129, 64], False), ([4096], True)])
+def test_prefill_entry_hands_library_kernels_spans_with_the_views_arguments(monkeypatch, lens, cp):
+    """Like the decode entry: the prefill kernels get spans of the pool, the has-initial flags and
+    the AutoCP snapshot where TileLang kernels get views, and the same C arguments arrive."""
+    from qla_serving.plan import plan_prefill
+
+    monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
+    H, HV, K = 2, 8, 128
+    T = sum(lens)
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    plan = plan_prefill(cu, device="cpu", num_v_heads=HV, sm_count=132, cp_segment_tokens=1024 if cp else 0)
+    assert (plan.context_parallel is not None) == cp
+    q, k = torch.randn(T, H, K, dtype=torch.bfloat16), torch.randn(T, H, K, dtype=torch.bfloat16)
+    v, out = torch.randn(T, HV, K, dtype=torch.bfloat16), torch.empty(T, HV, K, dtype=torch.bfloat16)
+    g, beta = -torch.rand(T, HV), torch.rand(T, HV)
+    pool = torch.zeros(9, HV * K * K + 32, dtype=torch.float32)[:, : HV * K * K].view(9, HV, K, K)
+    slots = torch.randperm(9)[: len(lens)].to(torch.int32)
+    has_initial = torch.rand(len(lens)) < 0.5
+    seen = {}
+
+    def probe(name):
+        def call(*args):
+            seen[name] = args
+        return call
+
+    def run(kernels):
+        monkeypatch.setattr(chunk_prefill, "_kernel_set", lambda cfg: kernels)
+        chunk_prefill.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=K**-0.5, plan=plan, state_pool=pool,
+                                                 state_indices=slots, has_initial_state=has_initial,
+                                                 use_qk_l2norm=True, out=out)
+
+    run((probe("prep"), probe("fwd")))  # the view path's arguments, to lay out the C parameters
+    lib = _RecordingLib()
+    prep, fwd = (_recorded_kernel(lib, name, seen[name]) for name in ("prep", "fwd"))
+    # Workspaces (and AutoCP's state snapshot) are allocated per call: every C argument but their
+    # pointers must match (their shapes are among the shape variables).
+    fresh = {"prep": (5, 6, 7), "fwd": (3, 4, 5, 12) if cp else (3, 4, 5)}
+
+    def c_args():
+        (p_args, f_args) = lib.calls[-2:]
+        del lib.calls[:]
+        return tuple([a for i, a in enumerate(c) if i not in fresh[name]] for name, c in (("prep", p_args), ("fwd", f_args)))
+
+    run((prep, fwd))
+    spans = c_args()
+    run((lambda *a: prep(*a), lambda *a: fwd(*a)))  # not LibraryKernels: the entry builds views
+    assert c_args() == spans
+    assert pool.data_ptr() in spans[1] and has_initial.data_ptr() in spans[1]
