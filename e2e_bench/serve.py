@@ -1059,5 +1059,12 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def exit_on_sigterm() -> None:
+    """A SIGTERM (a command's time limit) ends the run through its ``finally`` blocks, which stop the
+    servers: they run in sessions of their own and would outlive the run otherwise."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

@@ -291,15 +291,23 @@ async def run_requests(engine: str, port: int, reqs: list[dict], concurrent: boo
     return results
 
 
-async def run_bad(engine: str, port: int, max_len: int) -> list[dict]:
-    """Each bad request, then ``/health`` and one good request: the server must keep serving."""
+async def run_bad(engine: str, port: int, max_len: int, deadline: float | None = None) -> list[dict]:
+    """Each bad request, then ``/health`` and one good request: the server must keep serving. With
+    ``deadline`` (``time.monotonic()``) every wait ends by then, and no request starts after it."""
+
+    def timeout(most: float) -> float:
+        return most if deadline is None else max(1.0, min(most, deadline - time.monotonic()))
+
     out = []
     good = {"id": "good", "prompt": [11, 12, 13], "max_tokens": 4}
     for name, body in bad_requests(max_len, engine):
-        status, payload = await http(port, "POST", request_path(engine), body, timeout=120)
-        health, _ = await http(port, "GET", "/health", timeout=60)
+        if deadline is not None and time.monotonic() >= deadline:
+            serve.log(f"budget: bad requests from {name} on not sent")
+            break
+        status, payload = await http(port, "POST", request_path(engine), body, timeout=timeout(120))
+        health, _ = await http(port, "GET", "/health", timeout=timeout(60))
         gpath, gbody = completion_body(engine, good)
-        gstatus, _ = await http(port, "POST", gpath, gbody, timeout=120)
+        gstatus, _ = await http(port, "POST", gpath, gbody, timeout=timeout(120))
         out.append({"request": name, "status": status, "detail": payload[:200].decode(errors="replace"),
                     "healthy_after": health == 200, "serves_after": gstatus == 200})
     return out
@@ -508,12 +516,18 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         results file of a split run still shows it."""
         row = {"backend": backend, "scenario": tag, "error": error, "crashed": not srv.alive(),
                "log_tail": serve.tail(srv.log_path, 20)}
+        problems.append(row)  # (the call fails; its results file shows the part, not this twice)
         save_part(work, key, backend, tag, [row], info(tag, srv))
 
     def start(tag) -> serve.Server | None:
         if budget.left() < SERVER_MIN_S:
             serve.log(f"budget: {backend} {tag} left out ({budget.left():.0f} s left)")
-            problems.append({"backend": backend, "scenario": tag, "error": "left out (budget)"})
+            row = {"backend": backend, "scenario": tag, "error": "left out (budget)"}
+            problems.append(row)
+            # saved like a part, so that --collect shows it, unless an earlier call measured it
+            saved = part_path(work, backend, tag)
+            if not (saved.is_file() and json.loads(saved.read_text()).get("key") == key):
+                save_part(work, key, backend, tag, [row], {})
             return None
         serve.log(f"start {backend} {tag}: {shlex.join(cmds[tag])}")
         srv = serve.Server(cmds[tag], env, work / f"server-{backend}-{tag}.log", s.port)
@@ -526,7 +540,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         return None
 
     def metrics() -> dict:
-        status, text = asyncio.run(http(s.port, "GET", "/metrics", timeout=60))
+        status, text = asyncio.run(http(s.port, "GET", "/metrics", timeout=budget.timeout(60)))
         return parse_metrics(text.decode(errors="replace"), s.engine) if status == 200 else {}
 
     # the oracle: each request alone on a fresh server (kept in the work directory, so a run can be
@@ -538,6 +552,8 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     elif args.wait_oracle and args.phase in ("stress", "spec"):
         serve.log(f"oracle {backend}: made by the run beside this one; compared once {oracle_file} is there")
     else:
+        # an earlier call's failed oracle would tell a run waiting beside this one to stop waiting
+        part_path(work, backend, "oracle").unlink(missing_ok=True)
         srv = start("oracle")
         if srv is None:
             return problems
@@ -561,9 +577,13 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         beside this one makes it."""
         nonlocal oracle
         end = min(time.monotonic() + args.wait_oracle, budget.deadline() or float("inf"))
+        failed_oracle = part_path(work, backend, "oracle")
         while oracle is None:
             oracle = saved_oracle(work, backend, key)
             if oracle is None:
+                if failed_oracle.is_file() and json.loads(failed_oracle.read_text()).get("key") == key:
+                    serve.log(f"oracle {backend}: the run making it failed ({failed_oracle}); its rows are not compared")
+                    break
                 if time.monotonic() >= end:
                     serve.log(f"oracle {backend}: none in {oracle_file}; its rows are not compared")
                     break
@@ -584,8 +604,13 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             try:
                 for scenario in args.scenarios:
                     t0 = time.monotonic()
+                    deadline = budget.deadline()
+                    if deadline is not None and t0 >= deadline:
+                        serve.log(f"budget: {backend} {scenario} left out")
+                        rows.append({"backend": backend, "scenario": scenario, "error": "left out (budget)"})
+                        continue
                     if scenario == "bad":
-                        bad = asyncio.run(run_bad(s.engine, s.port, s.max_len))
+                        bad = asyncio.run(run_bad(s.engine, s.port, s.max_len, deadline))
                         rows.append({"backend": backend, "scenario": "bad", "sent": len(bad),
                                      "no_5xx": sum(0 < b["status"] < 500 for b in bad),
                                      "served_after": sum(b["healthy_after"] and b["serves_after"] for b in bad),
@@ -631,6 +656,10 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 srv.stop()
 
     if args.phase in ("all", "spec"):
+        # Each speculative server's rows are saved as soon as it stops (uncompared when the oracle
+        # is not there yet) and compared once every server has run: no server holds its GPU idle
+        # while the oracle is made beside it.
+        measured = []  # (tag, the row's fields, the requests, the answers, info)
         for k in args.spec_tokens:
             tag = f"spec{k}"
             srv = start(tag)
@@ -641,16 +670,28 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 reqs = [r for r in everything if len(r["prompt"]) <= args.spec_max_prompt][: args.spec_requests]
                 got = asyncio.run(run_requests(s.engine, s.port, [{**r, "at": 0.02 * i} for i, r in enumerate(reqs)],
                                                concurrent=True, deadline=budget.deadline()))
-                crashed = not srv.alive()
-                m = metrics() if srv.alive() else {}
-                orc = the_oracle()
-                row = compared(summarize(s.engine, {"spec": reqs}, orc or {}, got, "spec"), orc)
-                row.update(backend=backend, scenario=f"spec-{k}", crashed=crashed)
-                row["server_metrics"] = m
-                serve.log(f"{backend} spec-{k}: {json.dumps(row)}")
-                save_part(work, key, backend, tag, [row], info(tag, srv))
+                fields = {"backend": backend, "scenario": f"spec-{k}", "crashed": not srv.alive(),
+                          "server_metrics": metrics() if srv.alive() else {}}
+                measured.append((tag, fields, reqs, got, info(tag, srv)))
+                save_part(work, key, backend, tag, [spec_row(s.engine, fields, reqs, got, oracle)], measured[-1][4])
             finally:
                 srv.stop()
+        if measured:
+            orc = the_oracle()
+            for tag, fields, reqs, got, tag_info in measured:
+                row = spec_row(s.engine, fields, reqs, got, orc)
+                serve.log(f"{backend} {fields['scenario']}: {json.dumps(row)}")
+                save_part(work, key, backend, tag, [row], tag_info)
+    return problems
+
+
+def spec_row(engine: str, fields: dict, reqs: list[dict], got: dict, orc: dict | None) -> dict:
+    """A speculative server's row: its answers against the oracle's tokens (an error when there are none)."""
+    row = summarize(engine, {"spec": reqs}, orc or {}, got, "spec")
+    if orc is None:
+        row["error"] = "no oracle tokens to compare with (the run that makes them did not finish)"
+    row.update(fields)
+    return row
     return problems
 
 
@@ -801,4 +842,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    serve.exit_on_sigterm()
     sys.exit(main())

@@ -36,9 +36,19 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # The servers of serve-split / stress-split: one harness run per slot (GPUS:BACKEND:REST, GPUS one
 # GPU or a comma-separated group), in the background with its own GPUs, port and vLLM cache, then the
 # harness's --collect of what they saved. REST: serve's server sample, or stress's PHASE[:K,K...].
+# Servers run in sessions of their own; one that outlived an earlier call on a machine kept warm
+# (a call ended at its time limit) would hold its GPU and port.
+stop_leftover_servers() {
+  local pids
+  pids=$(pgrep -f "vllm.entrypoints.cli.main serve|sglang.launch_server" || true)
+  [[ -z $pids ]] && return 0
+  echo "stopping servers left by an earlier call: $(echo $pids)"
+  kill $pids 2>/dev/null; sleep 10; kill -9 $pids 2>/dev/null || true
+}
 side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's matches shown, default all]
   local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out
   local -a extra
+  stop_leftover_servers
   rm -f /tmp/$prefix-*.log  # an earlier call's, on a machine kept warm
   python3 -m "$module" $args --dry-run >/dev/null  # the model's files, before any server reads them
   for slot in $slots; do
@@ -107,6 +117,7 @@ for step in "$@"; do
         exit $rc ) 2>&1 | tee "$OUT/profile-prefill.log" | tail -80 ;;
     serve)
       ( rc=0
+        stop_leftover_servers
         python3 -m e2e_bench.serve ${QLA_SERVE_ARGS:-} --out-dir "$OUT" || rc=$?
         tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)
@@ -140,6 +151,7 @@ for step in "$@"; do
       ) 2>&1 | tee "$OUT/install.log" | tail -40 ;;
     stress)
       ( rc=0
+        stop_leftover_servers
         python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --out-dir "$OUT" || rc=$?
         tar -C /tmp --exclude='*/model' -cJf "$OUT/stress-logs.tar.xz" $(cd /tmp && ls -d qla-stress-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/stress.log" | tail -60 ;;

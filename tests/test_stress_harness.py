@@ -401,6 +401,34 @@ def test_budget_leaves_servers_out(tmp_path, monkeypatch):
                       "--backends", "flashqla", "--budget", "60", "--port", str(_free_port()),
                       "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "o")])
     assert rc == 1 and _StandInServer.starts == []
+    # the left-out server is saved like a part: a --collect of the work directory shows it
+    assert stress.main(["--engine", "sglang", "--layers", "4", "--requests", "4", "--max-prompt", "100",
+                        "--longest", "0", "--backends", "flashqla", "--collect", "--work-dir", str(tmp_path / "w"),
+                        "--out-dir", str(tmp_path / "c")]) == 1
+    (path,) = (tmp_path / "c").glob("*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["scenario"] == "oracle" and row["error"] == "left out (budget)"
+
+
+def test_a_failed_oracle_ends_the_wait_beside_it_and_bad_requests_keep_the_deadline(tmp_path, monkeypatch):
+    """A spec run waiting for an oracle stops waiting once the run making it has failed (its part is
+    saved), instead of holding the call to --wait-oracle; no bad request is sent past the deadline."""
+    monkeypatch.setattr(serve, "Server", _StandInServer)
+    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
+    _StandInServer.starts, _StandInServer.fail = [], {"oracle"}
+    common = ["--engine", "vllm", "--layers", "4", "--requests", "4", "--rate", "200", "--max-prompt", "100",
+              "--longest", "0", "--max-tokens", "4", "--backends", "flashqla", "--work-dir", str(tmp_path / "w"),
+              "--port", str(_free_port()), "--out-dir", str(tmp_path / "o")]
+    assert stress.main([*common, "--phase", "oracle"]) == 1
+    _StandInServer.fail = set()
+    t0 = time.monotonic()
+    assert stress.main([*common, "--phase", "spec", "--spec-tokens", "1", "--wait-oracle", "120"]) == 1
+    assert time.monotonic() - t0 < 30
+    rows = {r["scenario"]: r for r in json.loads(next((tmp_path / "o").glob("*.json")).read_text())["rows"]}
+    assert rows["oracle"]["error"] == "server did not start" and rows["spec-1"]["error"].startswith("no oracle tokens")
+    assert rows["spec-1"]["completed"] > 0  # measured, saved, only not compared
+
+    assert asyncio.run(stress.run_bad("vllm", _free_port(), 64, deadline=time.monotonic() - 1)) == []
 
 
 def test_runs_side_by_side_share_the_oracle_and_are_collected(tmp_path, monkeypatch):
