@@ -837,8 +837,15 @@ def main(argv=None) -> int:
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(meta, rows))
     serve.log(f"wrote {out / stem}.json")
-    bad = [r for r in rows if r.get("error") or r.get("crashed")]
-    return 1 if bad else 0
+    return 1 if any(map(row_failed, rows)) else 0
+
+
+def row_failed(row: dict) -> bool:
+    """A row that fails the run: an error, a crash, or a bad request answered with a 5xx (or not at
+    all) or after which the server stopped serving."""
+    if row.get("error") or row.get("crashed"):
+        return True
+    return row.get("scenario") == "bad" and not row["no_5xx"] == row["served_after"] == row["sent"]
 
 
 if __name__ == "__main__":

@@ -470,3 +470,13 @@ def test_runs_side_by_side_share_the_oracle_and_are_collected(tmp_path, monkeypa
     (path,) = (tmp_path / "o3").glob("*.json")
     (row,) = json.loads(path.read_text())["rows"]
     assert row["scenario"] == "spec-1" and row["error"].startswith("no oracle tokens") and row["compared"] == 0
+
+
+def test_a_bad_request_answered_with_a_5xx_fails_the_run():
+    ok = {"backend": "flashqla", "scenario": "bad", "sent": 6, "no_5xx": 6, "served_after": 6, "crashed": False}
+    assert not stress.row_failed(ok)
+    assert stress.row_failed({**ok, "no_5xx": 5})  # one 5xx (or no answer)
+    assert stress.row_failed({**ok, "served_after": 5})  # the server stopped serving after one
+    assert stress.row_failed({**ok, "crashed": True})
+    assert stress.row_failed({"scenario": "spec-1", "error": "server did not start"})
+    assert not stress.row_failed({"scenario": "load", "crashed": False, "compared": 3})
