@@ -28,6 +28,18 @@ def _kernel():
     return _kernel_module
 
 
+def _readable(x: torch.Tensor, inner: tuple[int, ...], row_multiple: int = 1, aligned: bool = False):
+    """``x`` and the token stride the kernel reads it at: in place where the kernel module's
+    :func:`token_stride` rule allows (and, with ``aligned``, its data 16-byte aligned), else a
+    contiguous copy."""
+    token_stride = _kernel().token_stride
+    st = token_stride(x, inner, row_multiple)
+    if st is None or (aligned and x.data_ptr() % 16):
+        x = x.contiguous()
+        st = token_stride(x, inner, row_multiple)
+    return x, st
+
+
 def _decode_kernel():
     """The TileLang decode step's entry point."""
     return _kernel().gated_delta_rule_decode_fwd
@@ -117,27 +129,11 @@ def gated_delta_rule_decode(
                               intermediate_states=intermediate_states, out=out)
     # Row-strided views are read in place (the kernel module's rule); anything else is copied into
     # the layout the kernel reads. The strides go to the kernel entry as they are.
-    token_stride = _kernel().token_stride
-    st_q = token_stride(q, (H, K), H * K)
-    if st_q is None or q.data_ptr() % 16:
-        q = q.contiguous()
-        st_q = token_stride(q, (H, K), H * K)
-    st_k = token_stride(k, (H, K), H * K)
-    if st_k is None or k.data_ptr() % 16:
-        k = k.contiguous()
-        st_k = token_stride(k, (H, K), H * K)
-    st_v = token_stride(v, (HV, V))
-    if st_v is None:
-        v = v.contiguous()
-        st_v = token_stride(v, (HV, V))
-    st_a = token_stride(a, (HV,))
-    if st_a is None:
-        a = a.contiguous()
-        st_a = token_stride(a, (HV,))
-    st_b = token_stride(b, (HV,))
-    if st_b is None:
-        b = b.contiguous()
-        st_b = token_stride(b, (HV,))
+    q, st_q = _readable(q, (H, K), H * K, aligned=True)
+    k, st_k = _readable(k, (H, K), H * K, aligned=True)
+    v, st_v = _readable(v, (HV, V))
+    a, st_a = _readable(a, (HV,))
+    b, st_b = _readable(b, (HV,))
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True,
                         min_slot=min_slot)
     if intermediate_states is not None:
