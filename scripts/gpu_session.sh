@@ -24,6 +24,10 @@
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz).
+# tests-background (the tests and check steps started in a process session of their own, which
+# outlives this call: the machine works through them while the next calls copy bundle parts) and
+# tests-wait (in a later call on the same machine: waits up to QLA_SUITE_WAIT seconds, default 600,
+# for them, prints their summary, returns their logs as $OUT/gpu-tests.tar.xz and their status).
 # Extra pytest arguments: QLA_PYTEST_ARGS="-k decode"; QLA_TEST_SHARDS=N runs the tests as N processes,
 # one per GPU (default: one per GPU the machine has).
 set -uo pipefail
@@ -155,6 +159,20 @@ for step in "$@"; do
         python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --out-dir "$OUT" || rc=$?
         tar -C /tmp --exclude='*/model' -cJf "$OUT/stress-logs.tar.xz" $(cd /tmp && ls -d qla-stress-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/stress.log" | tail -60 ;;
+    tests-background)
+      rm -rf /tmp/qla-suite-out /tmp/qla-suite.rc
+      setsid nohup bash -c 'OUT=/tmp/qla-suite-out QLA_STAGE=/tmp/qla-stage-suite bash "$1" tests check \
+        >/tmp/qla-suite.log 2>&1; echo $? >/tmp/qla-suite.rc' _ "$here/scripts/gpu_session.sh" \
+        </dev/null >/dev/null 2>&1 &
+      echo "GPU suite started in the background (log /tmp/qla-suite.log; collect it with tests-wait)" ;;
+    tests-wait)
+      ( waited=0
+        while [[ ! -f /tmp/qla-suite.rc ]] && ((waited < ${QLA_SUITE_WAIT:-600})); do sleep 5; waited=$((waited + 5)); done
+        [[ -f /tmp/qla-suite.rc ]] || { echo "the background suite is still running after ${waited} s"; tail -5 /tmp/qla-suite.log; exit 1; }
+        echo "background suite: status $(cat /tmp/qla-suite.rc), waited ${waited} s"
+        grep -E "tests over|passed|failed|error" /tmp/qla-suite.log | tail -12
+        tar -C /tmp/qla-suite-out -cJf "$OUT/gpu-tests.tar.xz" . && exit "$(cat /tmp/qla-suite.rc)"
+      ) 2>&1 | tee "$OUT/gpu-tests-wait.log" | tail -20 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
   rc=${PIPESTATUS[0]}
