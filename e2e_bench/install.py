@@ -209,10 +209,8 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     max_len = args.prompt_len + 2 * args.max_tokens + 64
     model_dir = work / f"model-{args.engine}"
-    if not (model_dir / "config.json").is_file():
-        serve.write_model(serve.model_spec(args.model), args.layers, max_len, model_dir,
-                          full_vocab=args.engine == "sglang")
-    s = serve.Setup(engine=args.engine, model_dir=str(model_dir), tp=1, max_len=max_len)
+    s = serve.Setup(engine=args.engine, tp=1, max_len=max_len,
+                    **serve.engine_model(serve.model_spec(args.model), args.engine, args.layers, max_len, model_dir))
     prompt = [random.Random(0).randrange(10, serve.TOKENIZER_WORDS - 10) for _ in range(args.prompt_len)]
     for backend in args.backends:
         for run in args.runs:

@@ -89,8 +89,10 @@ def layer_types(num_layers: int, interval: int) -> list[str]:
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
 
 
-def hf_config(spec: dict, num_layers: int, max_len: int) -> dict:
-    """``config.json`` of ``spec`` cut to ``num_layers`` layers (a multiple of the interval)."""
+def hf_config(spec: dict, num_layers: int, max_len: int, text_only: bool = False) -> dict:
+    """``config.json`` of ``spec`` cut to ``num_layers`` layers (a multiple of the interval). With
+    ``text_only`` a ``...ForConditionalGeneration`` model is written as its language model's own
+    config (the ``...ForCausalLM`` architecture, no vision tower)."""
     interval = spec["full_attention_interval"]
     if num_layers < interval or num_layers % interval:
         raise ValueError(f"--layers {num_layers}: must be a positive multiple of the full-attention "
@@ -122,6 +124,12 @@ def hf_config(spec: dict, num_layers: int, max_len: int) -> dict:
                 rope_parameters={**rope, "mrope_section": [11, 11, 10], "mrope_interleaved": True})
     if spec.get("state_dtype"):
         text["mamba_ssm_dtype"] = spec["state_dtype"]
+    if text_only:
+        # a text-only model gets no M-RoPE positions: plain partial RoPE (as SGLang's offline harness)
+        text.update(architectures=[spec["architecture"].replace("ForConditionalGeneration", "ForCausalLM")],
+                    rope_parameters=rope, rope_theta=spec["rope_theta"],
+                    partial_rotary_factor=spec["partial_rotary_factor"])
+        return text
     # vLLM builds the vision tower even with --language-model-only and splits its heads over the
     # TP ranks: 16 heads (the released count) of 64 divide by every TP size up to 16.
     vision = {"model_type": f"{spec['model_type']}_vision", "depth": 1, "hidden_size": 1024, "num_heads": 16,
@@ -155,21 +163,36 @@ def tokenizer_dir(model_dir: str) -> str:
 
 
 def write_model(spec: dict, num_layers: int, max_len: int, directory: str | os.PathLike,
-                full_vocab: bool = False) -> str:
+                full_vocab: bool = False, text_only: bool = False) -> str:
     """Write config.json into ``directory`` and the tokenizer into its ``tokenizer/`` (apart, since
     transformers would otherwise build the model type's own tokenizer class); weights stay dummy.
     ``full_vocab``: the tokenizer has a word for every id of the model's vocabulary (SGLang's
-    client, :func:`tokenizer_json`); without it, ids past the end-of-text token decode to nothing."""
+    client, :func:`tokenizer_json`); without it, ids past the end-of-text token decode to nothing.
+    ``text_only``: :func:`hf_config`'s language-model config of a multimodal model."""
     path = pathlib.Path(directory)
     tok = pathlib.Path(tokenizer_dir(str(path)))
     tok.mkdir(parents=True, exist_ok=True)
-    write_whole(path / "config.json", json.dumps(hf_config(spec, num_layers, max_len), indent=1) + "\n")
+    write_whole(path / "config.json", json.dumps(hf_config(spec, num_layers, max_len, text_only), indent=1) + "\n")
     words = tokenizer_json(vocab_size=spec["vocab_size"] if full_vocab else 0)
     write_whole(tok / "tokenizer.json", json.dumps(words))
     write_whole(tok / "tokenizer_config.json", json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TEXT, "model_max_length": max_len,
         "clean_up_tokenization_spaces": False}))
     return str(path)
+
+
+def engine_model(spec: dict, engine: str, num_layers: int, max_len: int,
+                 directory: str | os.PathLike) -> dict:
+    """Write the model files as ``engine`` serves them; returns the :class:`Setup` fields they imply
+    (``model_dir``, ``multimodal``, ``text_model``). vLLM reads the released
+    ``...ForConditionalGeneration`` config with ``--language-model-only``; SGLang has no such switch
+    (it would build the model's image processor), so it gets the language model's own
+    ``...ForCausalLM`` config, the same layers, and a word for every id (its detokenizer decodes every
+    output)."""
+    sglang = engine == "sglang"
+    conditional = spec["architecture"].endswith("ForConditionalGeneration")
+    model_dir = write_model(spec, num_layers, max_len, directory, full_vocab=sglang, text_only=sglang)
+    return {"model_dir": model_dir, "multimodal": conditional and not sglang, "text_model": conditional and sglang}
 
 
 def write_whole(path: pathlib.Path, text: str) -> None:
@@ -191,6 +214,8 @@ class Setup:
     max_len: int
     port: int = 8321
     multimodal: bool = False  # a ...ForConditionalGeneration config: serve the language model only
+    # SGLang: a multimodal release's language model as its own ...ForCausalLM (engine_model)
+    text_model: bool = False
 
 
 def server_command(s: Setup, backend: str, extra: list[str] = ()) -> list[str]:
@@ -221,6 +246,12 @@ def server_command(s: Setup, backend: str, extra: list[str] = ()) -> list[str]:
             cmd += ["--attention-backend", "triton"]
         if backend != "default":
             cmd += ["--linear-attn-backend", backend]
+        if s.text_model:
+            # SGLang resolves the hybrid radix cache's strategy for the released architectures only
+            # (0.5.17: not the text-only Qwen3_5MoeForCausalLM): what it resolves for them, by backend
+            # (its flashinfer GDN kernels take no extra buffer)
+            cmd += (["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"]
+                    if backend == "flashinfer" else ["--mamba-radix-cache-strategy", "extra_buffer"])
     else:
         raise ValueError(f"engine {s.engine!r}: expected one of {ENGINES}")
     return cmd + list(extra)
@@ -975,9 +1006,8 @@ def main(argv=None) -> int:
     max_len = args.max_len or max(i + o for i, o in (WORKLOADS[w] for w in args.workloads)) + 1024
     work = pathlib.Path(args.work_dir or f"/tmp/qla-serve-{args.engine}-{args.model}-tp{args.tp}")
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = write_model(spec, args.layers, max_len, work / "model", full_vocab=args.engine == "sglang")
-    s = Setup(args.engine, model_dir, args.tp, max_len, args.port,
-              multimodal=spec["architecture"].endswith("ForConditionalGeneration"))
+    s = Setup(args.engine, tp=args.tp, max_len=max_len, port=args.port,
+              **engine_model(spec, args.engine, args.layers, max_len, work / "model"))
     backends = list(dict.fromkeys(args.backends))
     if args.reference in backends:  # the reference first: its tokens are what the others are compared to
         backends.remove(args.reference)

@@ -789,10 +789,8 @@ def main(argv=None) -> int:
     max_len = max_model_len(args, plan)
     work = pathlib.Path(args.work_dir or f"/tmp/qla-stress-{args.engine}-{args.model}-tp{args.tp}")
     work.mkdir(parents=True, exist_ok=True)
-    # SGLang: a word for every id the model can generate (its detokenizer decodes every output)
-    model_dir = serve.write_model(spec, args.layers, max_len, work / "model", full_vocab=args.engine == "sglang")
-    s = serve.Setup(args.engine, model_dir, args.tp, max_len, args.port,
-                    multimodal=spec["architecture"].endswith("ForConditionalGeneration"))
+    s = serve.Setup(args.engine, tp=args.tp, max_len=max_len, port=args.port,
+                    **serve.engine_model(spec, args.engine, args.layers, max_len, work / "model"))
     backends = list(dict.fromkeys(args.backends))
     if args.dry_run:
         for name, reqs in plan.items():

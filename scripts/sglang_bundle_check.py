@@ -259,8 +259,9 @@ def check_serving() -> int:
     max_len = max(i + o for i, o in serve.WORKLOADS.values()) + 1024
     # not named qla-serve-*: gpu_session.sh packs those directories
     scratch = tempfile.TemporaryDirectory(prefix="qla-check-serving-")
-    model_dir = serve.write_model(spec, layers, max_len, scratch.name, full_vocab=True)
-    setup = serve.Setup("sglang", model_dir, 1, max_len)
+    files = serve.engine_model(spec, "sglang", layers, max_len, scratch.name)
+    model_dir = files["model_dir"]
+    setup = serve.Setup("sglang", tp=1, max_len=max_len, **files)
     step = Steps()
 
     from sglang.srt.plugins import load_plugins
@@ -377,8 +378,8 @@ def check_stress() -> int:
     plan = stress.plan_requests(args)
     max_len = stress.max_model_len(args, plan)
     scratch = tempfile.TemporaryDirectory(prefix="qla-check-stress-")  # not qla-stress-*: gpu_session.sh packs those
-    setup = serve.Setup("sglang", serve.write_model(spec, args.layers, max_len, scratch.name, full_vocab=True), 1,
-                        max_len)
+    setup = serve.Setup("sglang", tp=1, max_len=max_len,
+                        **serve.engine_model(spec, "sglang", args.layers, max_len, scratch.name))
     fa3 = serve.sglang_fa3_library()
 
     def resolve(backend, tag, cmd):

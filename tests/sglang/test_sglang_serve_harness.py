@@ -186,14 +186,52 @@ def test_model_files_load_as_sglangs_model_config(name, tmp_path):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.server_args import ServerArgs
 
+    from sglang.srt.model_loader.utils import get_model_architecture
+
     spec = serve.model_spec(name)
-    d = serve.write_model(spec, 8, 4096, tmp_path, full_vocab=True)
+    files = serve.engine_model(spec, "sglang", 8, 4096, tmp_path)
+    d, multimodal = files["model_dir"], files["multimodal"]
     mc = ModelConfig.from_server_args(ServerArgs(model_path=d, tokenizer_path=serve.tokenizer_dir(d),
                                                  load_format="dummy", context_length=4096))
     text = mc.hf_text_config
-    assert mc.hf_config.architectures == [spec["architecture"]]
+    # a multimodal release is served as its language model's own causal LM: no image processor to build
+    arch = spec["architecture"].replace("ForConditionalGeneration", "ForCausalLM")
+    assert mc.hf_config.architectures == [arch] and not mc.is_multimodal and not multimodal
+    model_cls, resolved = get_model_architecture(mc)
+    assert resolved == arch and model_cls.__name__ == arch
     assert (text.linear_num_key_heads, text.linear_num_value_heads) == (
         spec["linear_num_key_heads"], spec["linear_num_value_heads"])
     interval = spec["full_attention_interval"]
     assert text.full_attention_layer_ids == [i for i in range(8) if (i + 1) % interval == 0]
     assert text.linear_layer_ids == [i for i in range(8) if (i + 1) % interval]
+
+
+def test_a_multimodal_release_is_served_as_its_text_model(sglang_plugins, tmp_path):
+    """Qwen3.5's language model as SGLang's own causal LM: plain partial RoPE (no M-RoPE positions
+    for text), and the hybrid radix cache's strategy set as SGLang resolves it for the released
+    architecture, by backend (no extra buffer for its flashinfer GDN kernels); Qwen3-Next unchanged."""
+    import argparse
+    import json
+
+    from sglang.srt.server_args import ServerArgs
+
+    spec = serve.model_spec("qwen3.5-397b-a17b")
+    files = serve.engine_model(spec, "sglang", 4, 4096, tmp_path / "q35")
+    assert files["text_model"] and not files["multimodal"]
+    cfg = json.loads((tmp_path / "q35" / "config.json").read_text())
+    assert "vision_config" not in cfg and "mrope_section" not in cfg["rope_parameters"]
+    assert cfg["partial_rotary_factor"] == spec["partial_rotary_factor"]
+    s = serve.Setup("sglang", tp=1, max_len=4096, **files)
+    for backend, expected in (("flashqla", ["extra_buffer"]), ("triton", ["extra_buffer"]),
+                              ("default", ["extra_buffer"]), ("flashinfer", ["no_buffer", "--disable-overlap-schedule"])):
+        cmd = serve.server_command(s, backend)
+        i = cmd.index("--mamba-radix-cache-strategy")
+        assert cmd[i + 1: i + 1 + len(expected)] == expected
+        p = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(p)
+        args = p.parse_args(cmd[3:])  # SGLang's own parser takes them
+        assert args.mamba_radix_cache_strategy == expected[0]
+        assert args.disable_overlap_schedule == (backend == "flashinfer")
+    nxt = serve.engine_model(serve.model_spec("qwen3-next-80b-a3b"), "sglang", 4, 4096, tmp_path / "next")
+    assert not nxt["text_model"] and "--mamba-radix-cache-strategy" not in serve.server_command(
+        serve.Setup("sglang", tp=1, max_len=4096, **nxt), "flashqla")
