@@ -92,16 +92,14 @@ def missing(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_d
     return [f"{kind} {cfg}" for kind in ("prep", "chunk_fwd") if not library.has(kind, cfg)]
 
 
-def _flat_pool(state_pool: torch.Tensor, span: bool = False):
+def _flat_pool(state_pool: torch.Tensor, span_device: torch.device | None = None):
     """The pool as one flat buffer from slot 0 to the end of the last slot (slot stride kept as
-    is): a 1-D view, or with ``span`` the :class:`~.library.Span` a library kernel reads."""
+    is): :func:`~.library.launch_arg`'s 1-D view, or its span on ``span_device``."""
     n, hv, vd, kd = state_pool.shape
     if state_pool.stride()[1:] != (vd * kd, kd, 1):
         raise ValueError("state_pool's inner three dims [HV, V, K] must be contiguous")
     numel = (n - 1) * state_pool.stride(0) + hv * vd * kd
-    if span:
-        return library.Span(state_pool.data_ptr(), (numel,), state_pool.device)
-    return state_pool.as_strided((numel,), (1,))
+    return library.launch_arg(state_pool, (numel,), (1,), span_device)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale: float, plan, state_pool, state_indices,
@@ -173,8 +171,8 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
     cu = plan.cu_seqlens
     items = plan.work_items
     # A library kernel reads pointers and shapes: spans instead of views (no torch op).
-    spans = isinstance(fwd, library.LibraryKernel)
-    flat_pool = _flat_pool(state_pool, spans)
+    span_device = dev if isinstance(fwd, library.LibraryKernel) else None
+    flat_pool = _flat_pool(state_pool, span_device)
     h0_pool, h0_slots, h0_stride = flat_pool, state_indices, state_pool.stride(0)
     if plan.context_parallel is not None:
         # Several work items of one sequence run at once and the last one writes the final
@@ -182,10 +180,11 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
         # (index_select takes the int32 indices as they are: no cast kernel)
         snapshot = torch.index_select(state_pool, 0, state_indices)
         h0_stride = snapshot.stride(0)
-        h0_pool = library.Span(snapshot.data_ptr(), (snapshot.numel(),), dev) if spans else snapshot.view(-1)
+        h0_pool = library.launch_arg(snapshot, (snapshot.numel(),), (1,), span_device)
         h0_slots = plan.seq_ids
-    has_initial = (library.Span(has_initial_state.data_ptr(), tuple(has_initial_state.shape), dev) if spans
-                   else has_initial_state.view(torch.uint8))
+    # (the kernel takes the flags as uint8: a view of another dtype, which as_strided cannot give)
+    has_initial = (library.Span(has_initial_state.data_ptr(), tuple(has_initial_state.shape), dev)
+                   if span_device is not None else has_initial_state.view(torch.uint8))
     prep(q, k, g, beta, plan.chunk_bounds, t_beta, g_cum, qk_rnorm)
     fwd(q, k, v, t_beta, g_cum, qk_rnorm, cu, plan.chunk_offsets, items, plan.checkpoint_offsets,
         has_initial, h0_slots, h0_pool, h0_stride, state_indices, flat_pool,

@@ -154,11 +154,6 @@ def missing(H: int, HV: int, T: int = 1, *, dtype=torch.bfloat16, pool_dtype=tor
     return [f"decode {key}" for key in keys if key not in _cache and not library.has("decode", key)]
 
 
-def _flat(x: torch.Tensor, span: int) -> torch.Tensor:
-    """A 1-D view of ``span`` elements starting at x's first element (no copy)."""
-    return torch.as_strided(x, (span,), (1,))
-
-
 def token_stride(x: torch.Tensor, inner: tuple[int, ...], row_multiple: int = 1) -> int | None:
     """The token stride (elements) at which the kernel reads ``x`` (``[N, T, *inner]``) in place,
     or None where it cannot: ``inner`` contiguous per token, the ``N * T`` tokens one stride
@@ -272,21 +267,15 @@ def gated_delta_rule_decode_fwd(
         _tile_for(N * HV, state_pool.dtype),
     )
     kernel = _get_kernel(key)
-    if isinstance(kernel, library.LibraryKernel):
-        # The launcher reads only pointers and shapes: spans instead of views (no torch op).
-        dev = q.device
-        Span = library.Span
-        q_k = [Span(x.data_ptr(), (rows, H, K), dev) for x, rows in zip((q, k), qk_rows)]
-        v_a_b = [Span(x.data_ptr(), (n,), dev) for x, n in zip((v, a, b), flat_lens)]
-        pool_flat = Span(state_pool.data_ptr(), (pool_len,), dev)
-        inter_flat = pool_flat if intermediate_states is None else Span(
-            intermediate_states.data_ptr(), (intermediate_states.numel(),), dev)
-    else:
-        q_k = [torch.as_strided(x, (rows, H, K), (H * K, K, 1)) for x, rows in zip((q, k), qk_rows)]
-        v_a_b = [_flat(x, n) for x, n in zip((v, a, b), flat_lens)]
-        pool_flat = _flat(state_pool, pool_len)
-        # (unused by the kernel compiled without intermediates)
-        inter_flat = pool_flat if intermediate_states is None else intermediate_states.view(-1)
+    # A library kernel reads only pointers and shapes: spans instead of views (no torch op).
+    span_device = q.device if isinstance(kernel, library.LibraryKernel) else None
+    arg = library.launch_arg
+    q_k = [arg(x, (rows, H, K), (H * K, K, 1), span_device) for x, rows in zip((q, k), qk_rows)]
+    v_a_b = [arg(x, (n,), (1,), span_device) for x, n in zip((v, a, b), flat_lens)]
+    pool_flat = arg(state_pool, (pool_len,), (1,), span_device)
+    # (unused by the kernel compiled without intermediates)
+    inter_flat = pool_flat if intermediate_states is None else arg(
+        intermediate_states, (intermediate_states.numel(),), (1,), span_device)
     kernel(
         *q_k,
         *v_a_b,

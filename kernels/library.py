@@ -127,6 +127,15 @@ class Span:
         return self._ptr
 
 
+def launch_arg(x: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...],
+               span_device: torch.device | None) -> "Span | torch.Tensor":
+    """``x`` read as ``shape``/``strides`` from its first element: a :class:`Span` on
+    ``span_device`` for a library kernel, the strided view for a TileLang-compiled one (None)."""
+    if span_device is not None:
+        return Span(x.data_ptr(), shape, span_device)
+    return torch.as_strided(x, shape, strides)
+
+
 class LibraryKernel:
     """One precompiled kernel, called like the TileLang kernel it was built from: the prim
     function's parameters in order (tensors, then Python scalars), on the current stream.
