@@ -455,6 +455,12 @@ def save_part(work: pathlib.Path, key: str, backend: str, part: str, rows: list[
     serve.write_whole(part_path(work, backend, part), json.dumps({"key": key, "rows": rows, "info": info}))
 
 
+def has_part(work: pathlib.Path, key: str, backend: str, part: str) -> bool:
+    """Whether ``work`` holds ``part`` of ``backend`` saved for ``key`` (this plan)."""
+    path = part_path(work, backend, part)
+    return path.is_file() and json.loads(path.read_text()).get("key") == key
+
+
 def saved_oracle(work: pathlib.Path, backend: str, key: str) -> dict | None:
     """The oracle's results for ``key`` saved in ``work`` (None when absent or for another plan)."""
     path = work / f"oracle-{backend}.json"
@@ -525,8 +531,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             row = {"backend": backend, "scenario": tag, "error": "left out (budget)"}
             problems.append(row)
             # saved like a part, so that --collect shows it, unless an earlier call measured it
-            saved = part_path(work, backend, tag)
-            if not (saved.is_file() and json.loads(saved.read_text()).get("key") == key):
+            if not has_part(work, key, backend, tag):
                 save_part(work, key, backend, tag, [row], {})
             return None
         serve.log(f"start {backend} {tag}: {shlex.join(cmds[tag])}")
@@ -577,23 +582,18 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         beside this one makes it."""
         nonlocal oracle
         end = min(time.monotonic() + args.wait_oracle, budget.deadline() or float("inf"))
-        failed_oracle = part_path(work, backend, "oracle")
         while oracle is None:
             oracle = saved_oracle(work, backend, key)
             if oracle is None:
-                if failed_oracle.is_file() and json.loads(failed_oracle.read_text()).get("key") == key:
-                    serve.log(f"oracle {backend}: the run making it failed ({failed_oracle}); its rows are not compared")
+                if has_part(work, key, backend, "oracle"):
+                    serve.log(f"oracle {backend}: the run making it failed ({part_path(work, backend, 'oracle')}); "
+                              "its rows are not compared")
                     break
                 if time.monotonic() >= end:
                     serve.log(f"oracle {backend}: none in {oracle_file}; its rows are not compared")
                     break
                 time.sleep(5)
         return oracle
-
-    def compared(row: dict, orc: dict | None) -> dict:
-        if orc is None:
-            row["error"] = "no oracle tokens to compare with (the run that makes them did not finish)"
-        return row
 
     if args.phase in ("all", "stress"):
         srv = start("stress")
@@ -685,13 +685,16 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     return problems
 
 
-def spec_row(engine: str, fields: dict, reqs: list[dict], got: dict, orc: dict | None) -> dict:
-    """A speculative server's row: its answers against the oracle's tokens (an error when there are none)."""
-    row = summarize(engine, {"spec": reqs}, orc or {}, got, "spec")
+def compared(row: dict, orc: dict | None) -> dict:
+    """``row`` (a summary against ``orc``), marked an error when there were no oracle tokens."""
     if orc is None:
         row["error"] = "no oracle tokens to compare with (the run that makes them did not finish)"
-    row.update(fields)
     return row
+
+
+def spec_row(engine: str, fields: dict, reqs: list[dict], got: dict, orc: dict | None) -> dict:
+    """A speculative server's row: its answers against the oracle's tokens (an error when there are none)."""
+    return {**compared(summarize(engine, {"spec": reqs}, orc or {}, got, "spec"), orc), **fields}
     return problems
 
 
