@@ -7,7 +7,7 @@
 #
 # Same layout and loader as ../shared/device/make-bundle (part, stamp, count, index, env.sh),
 # which this cannot call: SGLang 0.5.17's wheels are manylinux_2_34 (the image is Ubuntu 24.04,
-# glibc 2.39) and make-bundle asks for 2_28 at most. Left out, to fit one part:
+# glibc 2.39) and make-bundle asks for 2_28 at most. Left out (large, and unused by the served models):
 #   sgl_kernel/flash_ops.abi3.so (1.1 GB, FA3: use --attention-backend triton, which
 #   e2e_bench/serve.py passes when the library is absent), sm100/ (Blackwell),
 #   flashmla_ops, infllm_ops (DeepSeek MLA / InfLLM attention), xgrammar/lib (a static library),
@@ -105,9 +105,11 @@ kinds=${QLA_DEVICE_KINDS:-/work/.library/device/KINDS.md}
 { sed -n 's/.*Packages: //p' "$kinds" | head -1; grep -m1 'pip list, as a session saw it' "$kinds"; } >"$scratch/image-packages.txt"
 rm -rf "$scratch/image" && mkdir -p "$scratch/image"
 "$py311" "$here/sglang_bundle_check.py" image "$scratch/image" "$scratch/image-packages.txt" "$torch_site" "$extra_site"
-# sgl_kernel's SM90 library links libcuda.so.1 (the driver): a stand-in whose entry points all
-# fail lets it load here, which runs its torch op registration against torch 2.11.
-nm -D --undefined-only "$scratch"/bundle/sgl_kernel/sm90/common_ops.abi3.so "$scratch"/bundle/sgl_kernel/spatial_ops.abi3.so |
+# sgl_kernel's SM90 library and DeepGEMM's extension link libcuda.so.1 (the driver): a stand-in
+# whose entry points all fail lets them load here, which runs their torch op registration against
+# torch 2.11.
+nm -D --undefined-only "$scratch"/bundle/sgl_kernel/sm90/common_ops.abi3.so "$scratch"/bundle/sgl_kernel/spatial_ops.abi3.so \
+  "$scratch"/bundle/deep_gemm/*.so |
   awk '{print $2}' | sed 's/@.*//' | grep -E '^cu[A-Z]' | sort -u |
   awk 'BEGIN{print "/* libcuda stand-in for a CPU-only load check */"} {print "int " $1 "(void){return 999;}"}' >"$scratch/cuda_stub.c"
 mkdir -p "$scratch/stub" && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$scratch/stub/libcuda.so.1" "$scratch/cuda_stub.c"

@@ -114,7 +114,8 @@ STRESS_ARGS = ["--engine", "sglang", "--model", SERVE_MODEL[0], "--layers", str(
                "--suffixes", "2", "--flood", "4", "--spec-requests", "32", "--spec-tokens", "1", "2", "4", "8"]
 STRESS_BACKENDS = ("flashqla", "default")
 # what the stress harness's servers import past the serving benchmark's: the MTP draft model, the
-# speculative (EAGLE v2) worker SGLang runs NEXTN with, and the /metrics collectors
+# speculative (EAGLE v2) worker SGLang runs NEXTN with and what it imports when it captures its
+# graphs, and the /metrics collectors
 STRESS_MODULES = [
     "sglang.srt.models.qwen3_next_mtp",
     "sglang.srt.speculative.spec_info",
@@ -123,6 +124,11 @@ STRESS_MODULES = [
     "sglang.srt.speculative.eagle_draft_cuda_graph_runner",
     "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner",
     "sglang.srt.speculative.draft_worker_common",
+    # imported while the EAGLE v2 worker captures its draft-extend graphs (for an isinstance check):
+    # the DSA backend imports DeepGEMM on CUDA
+    "sglang.srt.layers.attention.dsa_backend",
+    "sglang.srt.layers.attention.deepseek_v4_backend",
+    "sglang.srt.layers.attention.flashmla_backend",
     "sglang.srt.observability.metrics_collector",
     "prometheus_client",
     "e2e_bench.stress",
