@@ -494,6 +494,12 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def crashed(self, wait: float = 20) -> bool:
+        """Whether it died: its process exited, or exits or stops answering ``/health`` within
+        ``wait`` s (an engine whose worker failed takes its process tree down over a few seconds,
+        so the requests it dropped can all have returned while its process is still there)."""
+        return not self.alive() or not wait_healthy(self.port, self.proc, wait)
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
 

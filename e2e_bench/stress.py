@@ -614,7 +614,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                         rows.append({"backend": backend, "scenario": "bad", "sent": len(bad),
                                      "no_5xx": sum(0 < b["status"] < 500 for b in bad),
                                      "served_after": sum(b["healthy_after"] and b["serves_after"] for b in bad),
-                                     "requests": bad, "crashed": not srv.alive(),
+                                     "requests": bad, "crashed": srv.crashed(),
                                      "seconds": round(time.monotonic() - t0, 1)})
                         serve.log(f"{backend} bad: {rows[-1]['no_5xx']} of {len(bad)} without a 5xx, "
                                   f"served after {rows[-1]['served_after']}")
@@ -622,7 +622,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                         concurrent = scenario != "prefix"
                         got = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent,
                                                        deadline=budget.deadline()))
-                        rows.append({"scenario": scenario, "crashed": not srv.alive(),
+                        rows.append({"scenario": scenario, "crashed": srv.crashed(),
                                      "seconds": round(time.monotonic() - t0, 1)})
                         unscored.append((rows[-1], scenario, got))
                         if scenario == "prefix":  # again, after unrelated long prompts push the cache out
@@ -633,15 +633,15 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                                      deadline=budget.deadline()))
                             again = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent=True,
                                                              deadline=budget.deadline()))
-                            rows.append({"scenario": "prefix-after-eviction", "crashed": not srv.alive(),
+                            rows.append({"scenario": "prefix-after-eviction", "crashed": srv.crashed(),
                                          "seconds": round(time.monotonic() - t0, 1)})
                             unscored.append((rows[-1], scenario, again))
                         serve.log(f"{backend} {scenario}: {sum(g.get('status') == 200 for g in got.values())} "
                                   f"of {len(got)} answered 200 ({rows[-1]['seconds']} s)")
-                    if not srv.alive():
+                    if rows[-1]["crashed"]:
                         serve.log(f"server {backend} died in {scenario}:\n{serve.tail(srv.log_path)}")
                         break
-                m = metrics() if srv.alive() else {}
+                m = {} if rows and rows[-1].get("crashed") else metrics()
                 orc = the_oracle() if unscored else oracle
                 for row, scenario, got in unscored:
                     # the summary's own scenario name gives way to the row's (prefix-after-eviction)
@@ -670,8 +670,11 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 reqs = [r for r in everything if len(r["prompt"]) <= args.spec_max_prompt][: args.spec_requests]
                 got = asyncio.run(run_requests(s.engine, s.port, [{**r, "at": 0.02 * i} for i, r in enumerate(reqs)],
                                                concurrent=True, deadline=budget.deadline()))
-                fields = {"backend": backend, "scenario": f"spec-{k}", "crashed": not srv.alive(),
-                          "server_metrics": metrics() if srv.alive() else {}}
+                crashed = srv.crashed()
+                if crashed:
+                    serve.log(f"server {backend} {tag} died:\n{serve.tail(srv.log_path)}")
+                fields = {"backend": backend, "scenario": f"spec-{k}", "crashed": crashed,
+                          "server_metrics": {} if crashed else metrics()}
                 measured.append((tag, fields, reqs, got, info(tag, srv)))
                 save_part(work, key, backend, tag, [spec_row(s.engine, fields, reqs, got, oracle)], measured[-1][4])
             finally:
@@ -695,7 +698,6 @@ def compared(row: dict, orc: dict | None) -> dict:
 def spec_row(engine: str, fields: dict, reqs: list[dict], got: dict, orc: dict | None) -> dict:
     """A speculative server's row: its answers against the oracle's tokens (an error when there are none)."""
     return {**compared(summarize(engine, {"spec": reqs}, orc or {}, got, "spec"), orc), **fields}
-    return problems
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -842,9 +844,10 @@ def main(argv=None) -> int:
 
 
 def row_failed(row: dict) -> bool:
-    """A row that fails the run: an error, a crash, or a bad request answered with a 5xx (or not at
+    """A row that fails the run: an error, a crash, a request that failed other than with a 4xx
+    (a 5xx, no answer, or ended by the server), or a bad request answered with a 5xx (or not at
     all) or after which the server stopped serving."""
-    if row.get("error") or row.get("crashed"):
+    if row.get("error") or row.get("crashed") or row.get("failed_other"):
         return True
     return row.get("scenario") == "bad" and not row["no_5xx"] == row["served_after"] == row["sent"]
 

@@ -132,9 +132,10 @@ class _Fake:
     400 for bad JSON or an empty prompt, streams held open until the client drops them),
     SGLang's /abort_request, /health, /metrics."""
 
-    def __init__(self):
+    def __init__(self, broken: bool = False):
         self.closed_early = 0
         self.aborted: list[str] = []
+        self.broken = broken  # every request a 500, as from a server whose worker died
 
     async def handle(self, reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
@@ -146,7 +147,9 @@ class _Fake:
             bad = False
         except ValueError:
             req, bad = {}, True
-        if path == "/health":
+        if self.broken and path not in ("/health", "/metrics"):
+            out = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"
+        elif path == "/health":
             out = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
         elif path == "/metrics":
             out = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(SGLANG_METRICS), SGLANG_METRICS)
@@ -298,6 +301,7 @@ class _StandInServer:
 
     starts: ClassVar[list[str]] = []
     fail: ClassVar[set[str]] = set()
+    broken: ClassVar[set[str]] = set()  # tags whose server answers every request with a 500
 
     def __init__(self, cmd, env, log_path, port):
         self.cmd, self.env, self.log_path, self.port = cmd, env, pathlib.Path(log_path), port
@@ -313,7 +317,8 @@ class _StandInServer:
 
         def serve_forever():
             self.loop = asyncio.new_event_loop()
-            srv = self.loop.run_until_complete(asyncio.start_server(_Fake().handle, "127.0.0.1", self.port))
+            fake = _Fake(broken=self.tag in _StandInServer.broken)
+            srv = self.loop.run_until_complete(asyncio.start_server(fake.handle, "127.0.0.1", self.port))
             ready.set()
             self.loop.run_forever()
             srv.close()
@@ -324,6 +329,9 @@ class _StandInServer:
 
     def alive(self):
         return self.thread is not None and self.thread.is_alive()
+
+    def crashed(self, wait=20):
+        return not self.alive()
 
     def log_text(self):
         return self.log_path.read_text()
@@ -347,7 +355,7 @@ def test_a_run_split_by_phase_adds_up(tmp_path, monkeypatch):
     monkeypatch.setattr(serve, "Server", _StandInServer)
     monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
     monkeypatch.setattr(stress, "AFTER_ABORT_S", 0.05)
-    _StandInServer.starts, _StandInServer.fail = [], {"spec4"}
+    _StandInServer.starts, _StandInServer.fail, _StandInServer.broken = [], {"spec4"}, set()
     work, out = tmp_path / "work", tmp_path / "out"
     common = ["--engine", "sglang", "--layers", "4", "--requests", "12", "--rate", "200", "--max-prompt", "300",
               "--longest", "0", "--aborts", "2", "--suffixes", "2", "--flood", "2", "--max-tokens", "4",
@@ -480,3 +488,70 @@ def test_a_bad_request_answered_with_a_5xx_fails_the_run():
     assert stress.row_failed({**ok, "crashed": True})
     assert stress.row_failed({"scenario": "spec-1", "error": "server did not start"})
     assert not stress.row_failed({"scenario": "load", "crashed": False, "compared": 3})
+
+
+def test_failed_requests_fail_the_run():
+    """Requests that failed other than cleanly (a 5xx, no answer) fail the run, like a crash: the
+    SGLang run of record returned 0 with every request of two speculative servers failed."""
+    row = {"scenario": "spec-4", "sent": 32, "completed": 0, "failed_clean": 0, "failed_other": 32,
+           "crashed": False, "compared": 0}
+    assert stress.row_failed(row)
+    assert not stress.row_failed({**row, "completed": 32, "failed_other": 0, "compared": 32})
+    assert not stress.row_failed({**row, "completed": 31, "failed_other": 0, "failed_clean": 1, "compared": 31})
+
+
+def test_a_speculative_server_answering_5xx_fails_its_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve, "Server", _StandInServer)
+    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
+    _StandInServer.starts, _StandInServer.fail, _StandInServer.broken = [], set(), {"spec8"}
+    common = ["--engine", "sglang", "--layers", "4", "--requests", "4", "--rate", "200", "--max-prompt", "100",
+              "--longest", "0", "--max-tokens", "4", "--spec-requests", "3", "--backends", "default",
+              "--port", str(_free_port()), "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "o")]
+    try:
+        assert stress.main([*common, "--phase", "oracle"]) == 0
+        assert stress.main([*common, "--phase", "spec", "--spec-tokens", "1", "8"]) == 1
+    finally:
+        _StandInServer.broken = set()
+    rows = {r["scenario"]: r for r in json.loads(next((tmp_path / "o").glob("*.json")).read_text())["rows"]}
+    assert rows["spec-8"]["failed_other"] == rows["spec-8"]["sent"] == 3 and rows["spec-8"]["compared"] == 0
+    assert rows["spec-1"]["compared"] == 3 and not stress.row_failed(rows["spec-1"])
+
+
+def _python_server(tmp_path, body: str, port: int) -> serve.Server:
+    script = tmp_path / "server.py"
+    script.write_text(body)
+    import sys
+
+    return serve.Server([sys.executable, str(script), str(port)], env=None, log_path=tmp_path / "server.log",
+                        port=port)
+
+
+HEALTHY = """import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_server_that_stops_answering_is_crashed_before_its_process_is_gone(tmp_path):
+    """The SGLang servers of record that died of an out-of-memory error in their first prefill
+    were still in the process table when their requests had all failed, and were counted as not
+    crashed: a process that exits within the wait, or that stops answering /health, is crashed."""
+    port = _free_port()
+    srv = _python_server(tmp_path, HEALTHY, port)
+    assert srv.start(30) and srv.alive()
+    try:
+        assert not srv.crashed(wait=5)
+    finally:
+        srv.stop()
+    assert srv.crashed(wait=1)  # stopped: its process is gone
+
+    # alive for two more seconds, answering nothing (a worker died; the tree is being torn down)
+    dying = _python_server(tmp_path, "import time; time.sleep(2)", _free_port())
+    assert not dying.start(0.01) and dying.alive()
+    t0 = time.monotonic()
+    assert dying.crashed(wait=20) and time.monotonic() - t0 < 15
+    dying.stop()
