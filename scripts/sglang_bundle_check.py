@@ -111,7 +111,8 @@ SERVE_MODEL = ("qwen3-next-80b-a3b", 8)
 # less --backends, --phase and --budget (the check covers both backends and every phase)
 STRESS_ARGS = ["--engine", "sglang", "--model", SERVE_MODEL[0], "--layers", str(SERVE_MODEL[1]),
                "--requests", "60", "--rate", "40", "--max-prompt", "8192", "--longest", "32768", "--aborts", "6",
-               "--suffixes", "2", "--flood", "4", "--spec-requests", "32", "--spec-tokens", "1", "2", "4", "8"]
+               "--suffixes", "2", "--flood", "4", "--spec-requests", "32", "--spec-tokens", "1", "2", "4", "8",
+               "--server-arg=--max-total-tokens=524288"]
 STRESS_BACKENDS = ("flashqla", "default")
 # what the stress harness's servers import past the serving benchmark's: the MTP draft model, the
 # speculative (EAGLE v2) worker SGLang runs NEXTN with and what it imports when it captures its
@@ -423,7 +424,7 @@ def check_stress() -> int:
             what += (f", {sa.speculative_algorithm} {k} steps / {k + 1} tokens, draft {cls.__name__} "
                      f"({sa.speculative_draft_load_format or sa.load_format}), max running {sa.max_running_requests}")
         return (f"{what}; attention {sa.attention_backend}, linear {sa.linear_attn_backend}, overlap "
-                f"{'off' if sa.disable_overlap_schedule else 'on'}")
+                f"{'off' if sa.disable_overlap_schedule else 'on'}, KV pool {sa.max_total_tokens or 'as sized'}")
 
     print(f"      stress servers' context length {max_len}")
     for backend in STRESS_BACKENDS:
