@@ -24,7 +24,8 @@ For each backend (``flashqla`` and the engine's default, same model and flags as
 Every request's greedy tokens are compared with the oracle's: tokens before the first
 divergence, and how many requests diverge within their first 16 tokens (bf16 numerics under
 other batch shapes may diverge late; a state bug diverges early or produces garbage). The engine's
-``/metrics`` give preemptions (SGLang: retracted requests) and prefix-cache hits (tokens). Results::
+``/metrics`` give preemptions (SGLang: retracted requests) and prefix-cache hits (tokens), read
+before and after each scenario so that each row counts its own. Results::
 
     e2e_bench/results/<date>-<gpu>-stress-<engine>-tp<N>.json / .md
 
@@ -601,6 +602,16 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             # every scenario's row in order; the request scenarios' answers are scored against the
             # oracle after the last one (a run beside this one may still be making it)
             rows, unscored = [], []  # unscored: (row, the plan's scenario, the answers)
+            counted = [metrics()]  # the server's counters before the scenarios, then after each row
+
+            def count(row: dict) -> None:
+                """The row's own preemptions and prefix hits: the counters' change while it ran."""
+                if row["crashed"]:
+                    return
+                now = metrics()
+                row["scenario_metrics"] = metrics_delta(counted[-1], now)
+                counted.append(now)
+
             try:
                 for scenario in args.scenarios:
                     t0 = time.monotonic()
@@ -616,6 +627,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                      "served_after": sum(b["healthy_after"] and b["serves_after"] for b in bad),
                                      "requests": bad, "crashed": srv.crashed(),
                                      "seconds": round(time.monotonic() - t0, 1)})
+                        count(rows[-1])
                         serve.log(f"{backend} bad: {rows[-1]['no_5xx']} of {len(bad)} without a 5xx, "
                                   f"served after {rows[-1]['served_after']}")
                     else:
@@ -624,6 +636,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                                        deadline=budget.deadline()))
                         rows.append({"scenario": scenario, "crashed": srv.crashed(),
                                      "seconds": round(time.monotonic() - t0, 1)})
+                        count(rows[-1])
                         unscored.append((rows[-1], scenario, got))
                         if scenario == "prefix":  # again, after unrelated long prompts push the cache out
                             t0 = time.monotonic()
@@ -635,6 +648,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                                              deadline=budget.deadline()))
                             rows.append({"scenario": "prefix-after-eviction", "crashed": srv.crashed(),
                                          "seconds": round(time.monotonic() - t0, 1)})
+                            count(rows[-1])  # the flood's requests included
                             unscored.append((rows[-1], scenario, again))
                         serve.log(f"{backend} {scenario}: {sum(g.get('status') == 200 for g in got.values())} "
                                   f"of {len(got)} answered 200 ({rows[-1]['seconds']} s)")
@@ -700,6 +714,12 @@ def spec_row(engine: str, fields: dict, reqs: list[dict], got: dict, orc: dict |
     return {**compared(summarize(engine, {"spec": reqs}, orc or {}, got, "spec"), orc), **fields}
 
 
+def metrics_delta(before: dict, after: dict) -> dict:
+    """What each counter of :func:`parse_metrics` gained from ``before`` to ``after`` (a counter
+    missing on either side is left out: a failed read says nothing)."""
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# Stress: {meta['engine']} TP {meta['tp']} on {meta['gpu']}", "", f"Model: {meta['model']}", "",
              f"Command: `{meta['command']}`", ""]
@@ -711,7 +731,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                "mean tokens before divergence | diverged within 16 | preemptions | prefix hits |"),
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        m = r.get("server_metrics") or {}
+        # a stress-server row's own counts; a speculative server's (and earlier runs') the server's
+        m = r.get("scenario_metrics") or r.get("server_metrics") or {}
         if r["scenario"] == "bad":
             lines.append(f"| {r['backend']} | bad | {r['sent']} | {r['no_5xx']} without 5xx | | | | {r['crashed']} | "
                          f"served after each: {r['served_after']} | | | | |")
@@ -724,6 +745,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{r['failed_clean']} | {r['failed_other']} | {r['crashed']} | {r['compared']} | "
                      f"{'—' if mean is None else f'{mean:.1f}'} | {r['diverged_within_16']} | "
                      f"{m.get('preemptions', '—')} | {m.get('prefix_cache_hits', '—')} |")
+    lines += ["", "Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"
+              "eviction with its flood of unrelated prompts), a speculative server's in all; rows without "
+              "`scenario_metrics` in the JSON show the server's totals."]
     return "\n".join(lines) + "\n"
 
 

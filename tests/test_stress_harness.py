@@ -136,6 +136,7 @@ class _Fake:
         self.closed_early = 0
         self.aborted: list[str] = []
         self.broken = broken  # every request a 500, as from a server whose worker died
+        self.finished = 0  # requests answered 200: its sglang:num_requests counter
 
     async def handle(self, reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
@@ -152,7 +153,8 @@ class _Fake:
         elif path == "/health":
             out = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
         elif path == "/metrics":
-            out = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(SGLANG_METRICS), SGLANG_METRICS)
+            text = SGLANG_METRICS + b'sglang:num_requests_total{model_name="bench"} %d.0\n' % self.finished
+            out = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(text), text)
         elif path == "/abort_request":
             self.aborted.append(req["rid"])
             out = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
@@ -172,6 +174,7 @@ class _Fake:
             writer.close()
             return
         elif path == "/generate":
+            self.finished += 1
             toks = _tokens(req["input_ids"], req["sampling_params"]["max_new_tokens"])
             msg = json.dumps({"text": "", "output_ids": toks, "meta_info": {"finish_reason": {"type": "length"}}}).encode()
             out = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(msg), msg)
@@ -378,6 +381,11 @@ def test_a_run_split_by_phase_adds_up(tmp_path, monkeypatch):
         assert r["compared"] == r["completed"] > 0 and r["diverged_within_16"] == 0, r
         assert r["mean_tokens_before_divergence"] == 4
     assert rows["load"]["server_metrics"]["preemptions"] == 1.0
+    # each stress row counts what its own requests did to the server's counters
+    assert rows["load"]["scenario_metrics"]["requests_ok"] == 12 and rows["load"]["scenario_metrics"]["preemptions"] == 0
+    assert rows["prefix"]["scenario_metrics"]["requests_ok"] == rows["prefix"]["sent"]
+    assert rows["prefix-after-eviction"]["scenario_metrics"]["requests_ok"] == rows["prefix"]["sent"] + 2  # + the flood
+    assert "| load | 12 | 12 | 0 | 0 | 0 | False | 12 | 4.0 | 0 | 0.0 | 0.0 |" in path.with_suffix(".md").read_text()
     assert rows["spec4"]["error"] == "server did not start"
     meta = data["meta"]["backends"]["default"]
     assert meta["resolved"] == "triton"
@@ -555,3 +563,10 @@ def test_a_server_that_stops_answering_is_crashed_before_its_process_is_gone(tmp
     t0 = time.monotonic()
     assert dying.crashed(wait=20) and time.monotonic() - t0 < 15
     dying.stop()
+
+
+def test_metrics_delta_is_what_each_counter_gained():
+    assert stress.metrics_delta({"preemptions": 1.0, "prefix_cache_hits": 96.0}, {"preemptions": 3.0,
+                                "prefix_cache_hits": 96.0, "requests_ok": 5.0}) == {"preemptions": 2.0,
+                                                                                    "prefix_cache_hits": 0.0}
+    assert stress.metrics_delta({}, {"preemptions": 3.0}) == {}
