@@ -655,7 +655,8 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                     if rows[-1]["crashed"]:
                         serve.log(f"server {backend} died in {scenario}:\n{serve.tail(srv.log_path)}")
                         break
-                m = {} if rows and rows[-1].get("crashed") else metrics()
+                # the server's totals: the last reading (no request ran after it)
+                m = {} if rows and rows[-1].get("crashed") else counted[-1]
                 orc = the_oracle() if unscored else oracle
                 for row, scenario, got in unscored:
                     # the summary's own scenario name gives way to the row's (prefix-after-eviction)
