@@ -101,8 +101,8 @@ def run_one(s: serve.Setup, backend: str, run: str, work: pathlib.Path, prompt: 
         row["startup_s"] = round(time.monotonic() - server.started, 1)
         row.update(startup_parts(server.log_text(), launched))
         if not ok:
-            row["error"] = "server did not start"
-            serve.log(f"FAILED start {backend} ({run}); log tail:\n{serve.tail(log_path)}")
+            row["error"] = serve.start_failure(log_path)
+            serve.log(f"FAILED start {backend} ({run}: {row['error']}); log tail:\n{serve.tail(log_path)}")
             return row
         first_s, first = timed_request(s, prompt, max_tokens)
         second_s, second = timed_request(s, prompt, max_tokens)

@@ -425,6 +425,25 @@ def tail(path: str | os.PathLike, lines: int = 40) -> str:
         return "(no log)"
 
 
+# an exception line of a server's log ("ValueError: max_num_seqs (1024) exceeds ..."), with vLLM's and
+# SGLang's process prefixes ("(EngineCore pid=8868) ", "[2026-11-27 10:32:48 TP0] ") in front of it
+_EXCEPTION_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s+|\[[^\]]*\]\s+)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b:?.*)$")
+# the engines' wrappers around the error that stopped the start, which say nothing of their own
+_WRAPPER_ERRORS = ("Engine core initialization failed", "Initialization failed", "Rank 0 scheduler is dead")
+
+
+def start_failure(path: str | os.PathLike) -> str:
+    """Why a server did not start, in one line: the first exception its log names that is not one of
+    the engine's wrappers around it (``server did not start`` alone when the log names none)."""
+    try:
+        lines = pathlib.Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "server did not start (no log)"
+    found = [m.group(1).strip() for line in lines if (m := _EXCEPTION_LINE.match(line.strip()))]
+    causes = [c for c in found if not any(w in c for w in _WRAPPER_ERRORS)] or found
+    return f"server did not start: {causes[0][:300]}" if causes else "server did not start"
+
+
 DEFAULT_LOG_PATTERNS = {
     # vLLM: "Using FlashInfer GDN prefill kernel (requested=auto, ...)"
     "vllm": re.compile(r"Using (FlashInfer|CuteDSL|Triton/FLA) GDN prefill kernel \(requested=auto"),
@@ -560,8 +579,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
         healthy = server.start(min(args.start_timeout, max(0, budget_end - time.monotonic())))
         proc, t0 = server.proc, server.started
         if not healthy:
-            info["error"] = "server did not become healthy"
-            log(f"FAILED start {backend} after {time.monotonic() - t0:.0f} s; log tail:\n{tail(logf)}")
+            info["error"] = start_failure(logf)
+            log(f"FAILED start {backend} after {time.monotonic() - t0:.0f} s ({info['error']}); log tail:\n{tail(logf)}")
             return rows, info
         info["startup_s"] = round(time.monotonic() - t0, 1)
         log(f"healthy {backend} after {info['startup_s']} s")
@@ -748,10 +767,21 @@ def median_rows(runs: list[dict]) -> list[dict]:
     return out
 
 
-def finish_rows(rows: list[dict], infos: list[dict], reference: str) -> None:
+def reference_backend(infos: list[dict], reference: str) -> str | None:
+    """The backend agreement is measured against: ``reference`` when one of its servers has tokens,
+    else the first built-in backend that has (a run of named backends only, without ``default``)."""
+    have = [i["backend"] for i in infos if i.get("tokens")]
+    for backend in (reference, "default", "flashinfer", "triton"):
+        if backend in have:
+            return backend
+    return None
+
+
+def finish_rows(rows: list[dict], infos: list[dict], reference: str) -> str | None:
     """agree_fraction of every backend and its rows: its server's greedy tokens against the
-    reference backend's."""
-    ref = next((i.get("tokens") for i in infos if i["backend"] == reference and i.get("tokens")), None)
+    reference backend's (``reference_backend``, which is returned)."""
+    used = reference_backend(infos, reference)
+    ref = next((i["tokens"] for i in infos if i["backend"] == used and i.get("tokens")), None)
     by_backend: dict[str, float | None] = {}
     for info in infos:
         info["agree_fraction"] = a = agree_fraction(ref, info.get("tokens"))
@@ -764,6 +794,7 @@ def finish_rows(rows: list[dict], infos: list[dict], reference: str) -> None:
         r["agree_fraction"] = by_backend.get(r["backend"])
         for k in ROW_KEYS:
             r.setdefault(k, None)
+    return used
 
 
 def gpu_name() -> str:
@@ -815,7 +846,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             lines.append(f"| {b['backend']} | {b.get('resolved')} | {b.get('startup_s')} | {b.get('fallback')} | "
                          f"{b.get('agree_fraction')} | {cap} |"
                          + (f" {b.get('sample', 1)} | {b.get('visible_gpus', 'all')} |" if pinned else ""))
-        lines.append("")
+        lines += ["", f"Reference for agreement: {meta.get('reference')}; {meta.get('agreement')}.", ""]
     ratios = against_best(rows)
     if ratios:
         lines += ["## flashqla against the best built-in backend", "",
@@ -1069,7 +1100,10 @@ def main(argv=None) -> int:
     if args.collect and not infos:
         log(f"--collect: {work} holds no backend measured for this setup")
         return 1
-    finish_rows(runs, infos, args.reference)
+    reference = finish_rows(runs, infos, args.reference)
+    if reference != args.reference:
+        log(f"agreement: no server of the reference backend {args.reference!r} has tokens; "
+            + (f"measured against {reference!r}" if reference else "not measured"))
     rows = median_rows(runs)
     meta = {
         "gpu": gpu, "gpus": args.tp, "engine": args.engine, "tp": args.tp, "versions": versions(args.engine),
@@ -1077,7 +1111,7 @@ def main(argv=None) -> int:
         "command": command, "calls": list(dict.fromkeys(i.get("call") for i in infos if i.get("call"))),
         "server_commands": {i["backend"]: i.get("command") for i in infos},
         "backends": [{k: v for k, v in i.items() if k not in ("tokens", "command", "call")} for i in infos],
-        "reference": args.reference, "agreement": f"{args.agree_prompts} prompts of 200-4000 tokens x "
+        "reference": reference or f"{args.reference} (not run: no agreement)", "agreement": f"{args.agree_prompts} prompts of 200-4000 tokens x "
                                                    f"{args.agree_tokens} greedy tokens, one request at a time",
         "prompts": f"max({args.min_prompts}, {args.prompts_per_concurrency} x concurrency) per point, "
                    f"{args.warmups} warm-up requests (at most the concurrency)",

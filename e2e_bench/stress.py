@@ -48,6 +48,7 @@ import asyncio
 import hashlib
 import json
 import math
+import os
 import pathlib
 import random
 import re
@@ -71,6 +72,8 @@ ABORT_PREFILL_PROMPT, ABORT_DECODE_PROMPT, ABORT_MAX_TOKENS = 16384, 512, 1024
 AFTER_ABORT_S = 3.0
 # --budget: no server is started with less than this left (a start is 2-5 minutes)
 SERVER_MIN_S = 180.0
+# a run waiting for an oracle (--wait-oracle) stops once no run has been making it for this long
+ORACLE_MAKER_GRACE_S = 60.0
 
 
 # ----------------------------------------------------------------------------- requests
@@ -469,6 +472,21 @@ def saved_oracle(work: pathlib.Path, backend: str, key: str) -> dict | None:
     return saved["results"] if saved.get("key") == key else None
 
 
+def maker_path(work: pathlib.Path, backend: str) -> pathlib.Path:
+    """Where a run making ``backend``'s oracle says so (its key and process), for runs waiting beside it."""
+    return work / f"oracle-{backend}.making"
+
+
+def oracle_being_made(work: pathlib.Path, backend: str, key: str) -> bool:
+    """Whether a live process is making ``backend``'s oracle for ``key`` in ``work``."""
+    try:
+        maker = json.loads(maker_path(work, backend).read_text())
+        os.kill(int(maker["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return maker.get("key") == key
+
+
 def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
     """Every part saved in ``work`` for ``key``: a failed oracle, the stress server, then spec by k."""
     found = []
@@ -510,6 +528,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     cmds = server_commands(s, backend, args, model_type)
     problems: list[dict] = []
     everything = [r for reqs in plan.values() for r in reqs if not r.get("abort")]
+    began = time.monotonic()
 
     def info(tag, srv) -> dict:
         text = srv.log_text()
@@ -540,8 +559,9 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         if srv.start(budget.timeout(args.start_timeout)):
             serve.log(f"healthy {backend} {tag} after {time.monotonic() - srv.started:.0f} s")
             return srv
-        serve.log(f"FAILED {backend} {tag} start:\n{serve.tail(srv.log_path)}")
-        failed(tag, srv, "server did not start")  # crashed: it exited (else it did not answer in time)
+        why = serve.start_failure(srv.log_path)
+        serve.log(f"FAILED {backend} {tag} start ({why}):\n{serve.tail(srv.log_path)}")
+        failed(tag, srv, why)  # crashed: it exited (else it did not answer in time)
         srv.stop()
         return None
 
@@ -560,8 +580,10 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     else:
         # an earlier call's failed oracle would tell a run waiting beside this one to stop waiting
         part_path(work, backend, "oracle").unlink(missing_ok=True)
+        serve.write_whole(maker_path(work, backend), json.dumps({"key": key, "pid": os.getpid()}))
         srv = start("oracle")
         if srv is None:
+            maker_path(work, backend).unlink(missing_ok=True)
             return problems
         try:
             oracle = asyncio.run(run_requests(s.engine, s.port, everything, concurrent=False,
@@ -575,20 +597,28 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 failed("oracle", srv, f"{done} of {len(everything)} oracle requests answered")
         finally:
             srv.stop()
+            maker_path(work, backend).unlink(missing_ok=True)
     if args.phase == "oracle":
         return problems
 
     def the_oracle() -> dict | None:
-        """This backend's oracle, waited for (up to --wait-oracle seconds and the budget) when a run
+        """This backend's oracle, waited for (up to --wait-oracle seconds and the budget) while a run
         beside this one makes it."""
         nonlocal oracle
         end = min(time.monotonic() + args.wait_oracle, budget.deadline() or float("inf"))
         while oracle is None:
+            making = oracle_being_made(work, backend, key)  # read before the oracle: it ends after saving it
             oracle = saved_oracle(work, backend, key)
             if oracle is None:
                 if has_part(work, key, backend, "oracle"):
                     serve.log(f"oracle {backend}: the run making it failed ({part_path(work, backend, 'oracle')}); "
                               "its rows are not compared")
+                    break
+                if not making and time.monotonic() - began > ORACLE_MAKER_GRACE_S:
+                    other = (json.loads(oracle_file.read_text()).get("key") if oracle_file.is_file() else None)
+                    serve.log(f"oracle {backend}: no run is making it for this plan and these server arguments "
+                              f"(key {key}" + (f"; {oracle_file.name} holds key {other}" if other else "") +
+                              "); its rows are not compared")
                     break
                 if time.monotonic() >= end:
                     serve.log(f"oracle {backend}: none in {oracle_file}; its rows are not compared")
@@ -706,7 +736,8 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
 def compared(row: dict, orc: dict | None) -> dict:
     """``row`` (a summary against ``orc``), marked an error when there were no oracle tokens."""
     if orc is None:
-        row["error"] = "no oracle tokens to compare with (the run that makes them did not finish)"
+        row["error"] = ("no oracle tokens to compare with (none saved for this plan and these server "
+                        "arguments, and the run making them, if any, did not finish)")
     return row
 
 

@@ -467,3 +467,18 @@ def test_profile_point_reports_the_first_rank_and_keeps_every_rank(tmp_path, mon
     assert out["gdn_ms_per_step"] == {"recurrence (decode)": pytest.approx(0.001)}
     md = next((tmp_path / "out").glob("*-profile-flashqla-s2.md")).read_text()
     assert "dp0_pp0_tp0" in md and "dp0_pp0_tp1" in md
+
+
+def test_agreement_falls_back_to_a_built_in_backend_when_the_reference_did_not_run():
+    """A side-by-side run of named backends only (flashqla, triton, flashinfer; no 'default' server)
+    still measures agreement, against the first built-in backend that has tokens, and says so."""
+    rows = [{"backend": b, "workload": "short"} for b in ("flashqla", "flashinfer", "triton")]
+    infos = [{"backend": "flashqla", "tokens": [[1, 2, 3, 4]]}, {"backend": "triton", "tokens": [[1, 2, 3, 5]]},
+             {"backend": "flashinfer", "tokens": [[1, 2, 3, 4]]}]
+    assert serve.finish_rows(rows, infos, "default") == "flashinfer"
+    assert [r["agree_fraction"] for r in rows] == [1.0, 1.0, 0.75]
+    assert serve.finish_rows(rows, infos[:1], "default") is None  # ours alone: nothing to agree with
+    assert rows[0]["agree_fraction"] is None
+    text = serve.markdown({"engine": "vllm", "tp": 1, "gpus": 1, "gpu": "H100", "reference": "flashinfer",
+                           "agreement": "8 prompts", "backends": [{"backend": "flashqla"}]}, [])
+    assert "Reference for agreement: flashinfer; 8 prompts." in text

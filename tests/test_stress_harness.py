@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import ClassVar
@@ -570,3 +573,59 @@ def test_metrics_delta_is_what_each_counter_gained():
                                 "prefix_cache_hits": 96.0, "requests_ok": 5.0}) == {"preemptions": 2.0,
                                                                                     "prefix_cache_hits": 0.0}
     assert stress.metrics_delta({}, {"preemptions": 3.0}) == {}
+
+
+def test_a_wait_for_an_oracle_nobody_makes_ends_after_the_grace(tmp_path, monkeypatch):
+    """A spec run told to wait for an oracle that no run is making for its plan and server arguments
+    (an oracle saved under other server arguments, nothing beside it) stops waiting once the grace has
+    passed, instead of holding its call to --wait-oracle; the log says which key it had."""
+    monkeypatch.setattr(serve, "Server", _StandInServer)
+    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
+    monkeypatch.setattr(stress, "ORACLE_MAKER_GRACE_S", 0.5)
+    _StandInServer.starts, _StandInServer.fail = [], set()
+    common = ["--engine", "vllm", "--layers", "4", "--requests", "4", "--rate", "200", "--max-prompt", "100",
+              "--longest", "0", "--max-tokens", "4", "--backends", "flashqla", "--work-dir", str(tmp_path / "w"),
+              "--port", str(_free_port()), "--out-dir", str(tmp_path / "o")]
+    assert stress.main([*common, "--phase", "oracle"]) == 0
+    assert not stress.maker_path(tmp_path / "w", "flashqla").exists()  # the maker's mark goes with it
+    logs = []
+    monkeypatch.setattr(serve, "log", logs.append)
+    t0 = time.monotonic()
+    assert stress.main([*common, "--server-arg=--max-num-seqs=256", "--phase", "spec", "--spec-tokens", "1",
+                        "--wait-oracle", "120"]) == 1
+    assert time.monotonic() - t0 < 30
+    assert any("no run is making it" in line and "holds key" in line for line in logs), logs
+    (row,) = json.loads(next((tmp_path / "o").glob("*.json")).read_text())["rows"]
+    assert row["scenario"] == "spec-1" and row["error"].startswith("no oracle tokens") and row["completed"] > 0
+
+
+def test_oracle_being_made_needs_a_live_maker_of_the_same_key(tmp_path):
+    work = tmp_path
+    assert not stress.oracle_being_made(work, "flashqla", "k1")
+    stress.maker_path(work, "flashqla").write_text(json.dumps({"key": "k1", "pid": os.getpid()}))
+    assert stress.oracle_being_made(work, "flashqla", "k1")
+    assert not stress.oracle_being_made(work, "flashqla", "k2")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stress.maker_path(work, "flashqla").write_text(json.dumps({"key": "k1", "pid": dead.pid}))
+    assert not stress.oracle_being_made(work, "flashqla", "k1")
+
+
+def test_start_failure_names_the_engines_own_error(tmp_path):
+    """A server that did not start is reported with the error its log names (vLLM's engine core
+    error, not the API server's wrapper around it), so the call's output says what to change."""
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(EngineCore pid=8868) INFO 11-27 10:32:40 [core.py:100] starting\n"
+        "(EngineCore pid=8868)     raise ValueError(\n"
+        "(EngineCore pid=8868) ValueError: max_num_seqs (1024) exceeds available Mamba cache blocks (936).\n"
+        "[rank0]:[W1127 10:32:48.890056620 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group()\n"
+        "(APIServer pid=7213) RuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert serve.start_failure(log) == ("server did not start: ValueError: max_num_seqs (1024) exceeds available "
+                                        "Mamba cache blocks (936).")
+    log.write_text("[2026-11-27 10:00:00 TP0] Scheduler hit an exception\n"
+                   "[2026-11-27 10:00:00 TP0] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n")
+    assert serve.start_failure(log).endswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")
+    log.write_text("INFO nothing wrong here\n")
+    assert serve.start_failure(log) == "server did not start"
+    assert serve.start_failure(tmp_path / "absent.log") == "server did not start (no log)"
