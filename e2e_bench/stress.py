@@ -325,11 +325,25 @@ async def run_bad(engine: str, port: int, max_len: int, deadline: float | None =
 # finished request, aborted ones included (those also in ``num_aborted_requests``).
 METRICS = {
     "vllm": {"preemptions": "vllm:num_preemptions", "prefix_cache_hits": "vllm:prefix_cache_hits",
-             "prefix_cache_queries": "vllm:prefix_cache_queries", "requests_ok": "vllm:request_success"},
+             "prefix_cache_queries": "vllm:prefix_cache_queries", "requests_ok": "vllm:request_success",
+             "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+             "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"},
     "sglang": {"preemptions": "sglang:num_retracted_requests", "prefix_cache_hits": "sglang:cached_tokens",
                "prefix_cache_queries": "sglang:prompt_tokens", "requests_ok": "sglang:num_requests",
-               "requests_aborted": "sglang:num_aborted_requests"},
+               "requests_aborted": "sglang:num_aborted_requests",
+               # a gauge: the mean accepted length of the recent verify steps (drafts + 1 at most)
+               "spec_accept_length": "sglang:spec_accept_length"},
 }
+
+
+def drafts_accepted(m: dict) -> str:
+    """A speculative server's draft acceptance for the results table: vLLM's accepted of drafted
+    tokens, SGLang's mean accepted length per verify step ('—' where the engine reported none)."""
+    if m.get("spec_draft_tokens"):
+        return f"{m.get('spec_accepted_tokens', 0):.0f} of {m['spec_draft_tokens']:.0f}"
+    if m.get("spec_accept_length"):
+        return f"length {m['spec_accept_length']:.2f}"
+    return "—"
 
 
 def parse_metrics(text: str, engine: str = "vllm") -> dict[str, float]:
@@ -760,26 +774,28 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines += [f"| {b} | {i.get('resolved')} | {i.get('fallback')} |" for b, i in meta["backends"].items()]
         lines.append("")
     lines += [("| backend | scenario | sent | completed | aborted | failed 4xx | failed other | crashed | compared | "
-               "mean tokens before divergence | diverged within 16 | preemptions | prefix hits |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+               "mean tokens before divergence | diverged within 16 | preemptions | prefix hits | drafts accepted |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         # a stress-server row's own counts; a speculative server's (and earlier runs') the server's
         m = r.get("scenario_metrics") or r.get("server_metrics") or {}
         if r["scenario"] == "bad":
             lines.append(f"| {r['backend']} | bad | {r['sent']} | {r['no_5xx']} without 5xx | | | | {r['crashed']} | "
-                         f"served after each: {r['served_after']} | | | | |")
+                         f"served after each: {r['served_after']} | | | | | |")
             continue
         if r.get("error"):
-            lines.append(f"| {r['backend']} | {r['scenario']} | failed: {r['error']} | | | | | | | | | | |")
+            lines.append(f"| {r['backend']} | {r['scenario']} | failed: {r['error']} | | | | | | | | | | | |")
             continue
         mean = r.get("mean_tokens_before_divergence")
         lines.append(f"| {r['backend']} | {r['scenario']} | {r['sent']} | {r['completed']} | {r['aborted']} | "
                      f"{r['failed_clean']} | {r['failed_other']} | {r['crashed']} | {r['compared']} | "
                      f"{'—' if mean is None else f'{mean:.1f}'} | {r['diverged_within_16']} | "
-                     f"{m.get('preemptions', '—')} | {m.get('prefix_cache_hits', '—')} |")
+                     f"{m.get('preemptions', '—')} | {m.get('prefix_cache_hits', '—')} | "
+                     f"{drafts_accepted(m) if r['scenario'].startswith('spec') else ''} |")
     lines += ["", "Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"
               "eviction with its flood of unrelated prompts), a speculative server's in all; rows without "
-              "`scenario_metrics` in the JSON show the server's totals."]
+              "`scenario_metrics` in the JSON show the server's totals. Drafts accepted: vLLM's accepted of "
+              "drafted tokens, SGLang's mean accepted length per verify step (its gauge at the end)."]
     return "\n".join(lines) + "\n"
 
 

@@ -89,7 +89,8 @@ vllm:num_requests_running{engine="0"} 1.0
 """
     m = stress.parse_metrics(text)
     assert m == {"preemptions": 3.0, "prefix_cache_hits": 1200.0, "prefix_cache_queries": 5000.0,
-                 "requests_ok": 42.0}
+                 "requests_ok": 42.0, "spec_draft_tokens": 0.0, "spec_accepted_tokens": 0.0}
+    assert stress.drafts_accepted(m) == "—"
 
 
 def test_parse_metrics_sglang_names():
@@ -109,7 +110,7 @@ sglang:cache_hit_rate{model_name="bench"} 0.2
 """
     assert stress.parse_metrics(text, "sglang") == {
         "preemptions": 2.0, "prefix_cache_hits": 1000.0, "prefix_cache_queries": 5000.0, "requests_ok": 30.0,
-        "requests_aborted": 4.0}
+        "requests_aborted": 4.0, "spec_accept_length": 0.0}
 
 
 def test_compare_counts_early_divergence():

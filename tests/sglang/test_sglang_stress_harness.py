@@ -153,10 +153,11 @@ def sglang_metrics_text(tmp_path_factory):
     tok.observe_one_finished_request({"model_name": "bench"}, prompt_tokens=500, generation_tokens=32, cached_tokens=10,
                                      e2e_latency=0.5, has_grammar=False)
     tok.observe_one_aborted_request({"model_name": "bench"})
+    sched.spec_accept_length.labels(**labels).set(2.25)  # what its stats logging sets after verify steps
     return prometheus_client.generate_latest().decode()
 
 
 def test_metrics_are_read_from_sglangs_own_names(sglang_metrics_text):
     m = stress.parse_metrics(sglang_metrics_text, "sglang")
     assert m == {"preemptions": 3.0, "prefix_cache_hits": 106.0, "prefix_cache_queries": 1500.0, "requests_ok": 2.0,
-                 "requests_aborted": 1.0}, [ln for ln in sglang_metrics_text.splitlines() if ln.startswith("sglang:")]
+                 "requests_aborted": 1.0, "spec_accept_length": 2.25}, [ln for ln in sglang_metrics_text.splitlines() if ln.startswith("sglang:")]

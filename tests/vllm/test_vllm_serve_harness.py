@@ -211,3 +211,28 @@ def test_stress_server_turns_vllms_prefix_cache_on(registered, setup):
     args.model = args.model_tag
     cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     assert cfg.cache_config.enable_prefix_caching
+
+
+def test_stress_reads_vllms_own_draft_acceptance_counters(registered, tmp_path):
+    """The stress table's 'drafts accepted' of a speculative server: vLLM's own spec-decode counters,
+    as its Prometheus logger prints them after two verify steps."""
+    import prometheus_client
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+
+    from e2e_bench import stress
+
+    spec = serve.model_spec("qwen3-next-80b-a3b")
+    s = serve.Setup("vllm", serve.write_model(spec, 4, 4096, tmp_path / "m"), 1, 4096)
+    args = _serve_parser().parse_args(
+        serve.server_command(s, "flashqla", stress.spec_args("vllm", spec["model_type"], 4))[len(serve.VLLM_CLI) + 1:])
+    args.model = args.model_tag
+    cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    prom = SpecDecodingProm(cfg.speculative_config, ["model_name", "engine"], {0: ["bench", "0"]})
+    stats = SpecDecodingStats.new(4)
+    stats.observe_draft(num_draft_tokens=4, num_accepted_tokens=3)
+    stats.observe_draft(num_draft_tokens=4, num_accepted_tokens=1)
+    prom.observe(stats)
+    m = stress.parse_metrics(prometheus_client.generate_latest().decode(), "vllm")
+    assert (m["spec_draft_tokens"], m["spec_accepted_tokens"]) == (8.0, 4.0)
+    assert stress.drafts_accepted(m) == "4 of 8"
