@@ -37,6 +37,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -198,7 +199,7 @@ def engine_model(spec: dict, engine: str, num_layers: int, max_len: int,
 def write_whole(path: pathlib.Path, text: str) -> None:
     """Write ``path`` by renaming a finished file over it: servers started side by side (one per
     GPU, ``scripts/gpu_session.sh serve-split``) read the model files while another run rewrites them."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # runs may be threads too
     tmp.write_text(text)
     os.replace(tmp, path)
 

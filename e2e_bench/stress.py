@@ -479,26 +479,50 @@ def has_part(work: pathlib.Path, key: str, backend: str, part: str) -> bool:
     return path.is_file() and json.loads(path.read_text()).get("key") == key
 
 
+def shard_path(work: pathlib.Path, backend: str, shard: tuple[int, int]) -> pathlib.Path:
+    """Where one shard of ``backend``'s oracle is kept (``--oracle-shard I/N``)."""
+    return work / f"oracle-{backend}.shard-{shard[0]}-of-{shard[1]}.json"
+
+
 def saved_oracle(work: pathlib.Path, backend: str, key: str) -> dict | None:
-    """The oracle's results for ``key`` saved in ``work`` (None when absent or for another plan)."""
+    """The oracle's results for ``key`` saved in ``work`` (None when absent or for another plan): the
+    whole oracle, or every shard of one split over servers side by side, merged into it."""
     path = work / f"oracle-{backend}.json"
     saved = json.loads(path.read_text()) if path.is_file() else {}
-    return saved["results"] if saved.get("key") == key else None
+    if saved.get("key") == key:
+        return saved["results"]
+    by_count: dict[int, dict[int, dict]] = {}
+    for shard in work.glob(f"oracle-{backend}.shard-*-of-*.json"):
+        i, _, n = shard.stem.split(".shard-")[1].partition("-of-")
+        part = json.loads(shard.read_text())
+        if part.get("key") == key:
+            by_count.setdefault(int(n), {})[int(i)] = part
+    for n, parts in by_count.items():
+        if len(parts) == n:
+            results = {rid: r for i in sorted(parts) for rid, r in parts[i]["results"].items()}
+            serve.write_whole(path, json.dumps({"key": key, "results": results,
+                                                "info": {"shards": [parts[i]["info"] for i in sorted(parts)]}}))
+            return results
+    return None
 
 
-def maker_path(work: pathlib.Path, backend: str) -> pathlib.Path:
-    """Where a run making ``backend``'s oracle says so (its key and process), for runs waiting beside it."""
-    return work / f"oracle-{backend}.making"
+def maker_path(work: pathlib.Path, backend: str, shard: tuple[int, int] = (1, 1)) -> pathlib.Path:
+    """Where a run making ``backend``'s oracle (or a shard of it) says so, with its key and process,
+    for runs waiting beside it."""
+    return work / (f"oracle-{backend}.making" + (f"-{shard[0]}-of-{shard[1]}" if shard != (1, 1) else ""))
 
 
 def oracle_being_made(work: pathlib.Path, backend: str, key: str) -> bool:
-    """Whether a live process is making ``backend``'s oracle for ``key`` in ``work``."""
-    try:
-        maker = json.loads(maker_path(work, backend).read_text())
-        os.kill(int(maker["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return maker.get("key") == key
+    """Whether a live process is making ``backend``'s oracle (or a shard of it) for ``key`` in ``work``."""
+    for path in work.glob(f"oracle-{backend}.making*"):
+        try:
+            maker = json.loads(path.read_text())
+            os.kill(int(maker["pid"]), 0)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if maker.get("key") == key:
+            return True
+    return False
 
 
 def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
@@ -591,27 +615,41 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         serve.log(f"oracle {backend}: reusing {oracle_file}")
     elif args.wait_oracle and args.phase in ("stress", "spec"):
         serve.log(f"oracle {backend}: made by the run beside this one; compared once {oracle_file} is there")
+    elif args.oracle_shard != (1, 1) and shard_path(work, backend, args.oracle_shard).is_file() and \
+            json.loads(shard_path(work, backend, args.oracle_shard).read_text()).get("key") == key:
+        serve.log(f"oracle {backend}: reusing {shard_path(work, backend, args.oracle_shard)}")
     else:
+        # this run's share of the oracle's requests: all of them, or every N-th from the I-th
+        i, n = args.oracle_shard
+        mine = everything[i - 1::n]
+        what = f"oracle {backend}" + (f" shard {i}/{n}" if n > 1 else "")
         # an earlier call's failed oracle would tell a run waiting beside this one to stop waiting
         part_path(work, backend, "oracle").unlink(missing_ok=True)
-        serve.write_whole(maker_path(work, backend), json.dumps({"key": key, "pid": os.getpid()}))
+        maker = maker_path(work, backend, args.oracle_shard)
+        serve.write_whole(maker, json.dumps({"key": key, "pid": os.getpid()}))
         srv = start("oracle")
         if srv is None:
-            maker_path(work, backend).unlink(missing_ok=True)
+            maker.unlink(missing_ok=True)
             return problems
         try:
-            oracle = asyncio.run(run_requests(s.engine, s.port, everything, concurrent=False,
-                                              deadline=budget.deadline()))
-            done = sum(v["status"] == 200 for v in oracle.values())
-            serve.log(f"oracle {backend}: {done} of {len(everything)}")
-            if done == len(everything):  # a partial oracle is not kept: the next call redoes it
-                serve.write_whole(oracle_file, json.dumps({"key": key, "results": oracle, "info": info("oracle", srv)}))
+            got = asyncio.run(run_requests(s.engine, s.port, mine, concurrent=False, deadline=budget.deadline()))
+            if n == 1:  # (a partial one still scores this run's rows)
+                oracle = got
+            done = sum(v["status"] == 200 for v in got.values())
+            serve.log(f"{what}: {done} of {len(mine)}")
+            if done == len(mine):  # a partial oracle is not kept: the next call redoes it
+                saved = json.dumps({"key": key, "results": got, "info": info("oracle", srv)})
+                if n == 1:
+                    serve.write_whole(oracle_file, saved)
+                else:  # the last shard to finish merges them (saved_oracle)
+                    serve.write_whole(shard_path(work, backend, args.oracle_shard), saved)
+                    oracle = saved_oracle(work, backend, key)
                 part_path(work, backend, "oracle").unlink(missing_ok=True)
             else:
-                failed("oracle", srv, f"{done} of {len(everything)} oracle requests answered")
+                failed("oracle", srv, f"{what}: {done} of {len(mine)} oracle requests answered")
         finally:
             srv.stop()
-            maker_path(work, backend).unlink(missing_ok=True)
+            maker.unlink(missing_ok=True)
     if args.phase == "oracle":
         return problems
 
@@ -832,6 +870,10 @@ def parse_args(argv):
                    help="oracle: the oracle servers only (their tokens stay in the work dir for the next call); "
                         "stress / spec: the stress or the speculative servers only (after the oracle, reused "
                         "or run first); the results file holds every part measured in the work dir")
+    p.add_argument("--oracle-shard", default="1/1", metavar="I/N",
+                   help="oracle: answer every N-th of the oracle's requests from the I-th, on this run's server "
+                        "(N runs side by side in one work directory make the oracle N times sooner; the last "
+                        "to finish merges the shards)")
     p.add_argument("--wait-oracle", type=float, default=0, metavar="S",
                    help="stress / spec: the oracle's tokens come from a run beside this one in the same work "
                         "directory (scripts/gpu_session.sh stress-split): start at once, and wait up to S seconds "
@@ -847,6 +889,12 @@ def parse_args(argv):
         p.error(f"--rate {args.rate}: must be > 0")
     if any(k < 1 or k > 8 for k in args.spec_tokens):
         p.error(f"--spec-tokens {args.spec_tokens}: each must be in 1..8")
+    i, _, n = args.oracle_shard.partition("/")
+    if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        p.error(f"--oracle-shard {args.oracle_shard}: must be I/N with 1 <= I <= N")
+    args.oracle_shard = (int(i), int(n))
+    if args.oracle_shard != (1, 1) and args.phase != "oracle":
+        p.error(f"--oracle-shard {i}/{n}: only with --phase oracle (a stress or spec run reads the merged oracle)")
     args.argv = list(argv)
     return args
 

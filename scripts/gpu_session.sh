@@ -18,9 +18,10 @@
 # qla-serve-split-gpu<GPU>-<BACKEND>.log: the lent machine returns few files per call).
 # stress (the reliability harness, e2e_bench/stress.py, arguments in QLA_STRESS_ARGS; logs back as
 # $OUT/stress-logs.tar.xz).
-# stress-split (the reliability harness's servers side by side: QLA_STRESS_SPLIT="GPUS:BACKEND:PHASE[:K,K...] ...",
+# stress-split (the reliability harness's servers side by side: QLA_STRESS_SPLIT="GPUS:BACKEND:PHASE[:K,K...|:I/N] ...",
 # GPUS one GPU or a comma-separated group for --tp > 1, PHASE stress (its backend's oracle first, then the
-# stress server) or spec (the K speculative servers, comparing once the stress run's oracle is there),
+# stress server), oracle (the oracle alone; oracle:I/N its I-th of N shards, N such slots side by side),
+# or spec (the K speculative servers, comparing once the stress run's oracle is there),
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz).
@@ -63,6 +64,7 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
       IFS=: read -r phase ks <<<"$rest"
       extra=(--phase "$phase") out=/tmp/$prefix-out-$i log=/tmp/$prefix-${gpus//,/-}-$backend-$phase.log
       [[ $phase != spec ]] || extra+=(--spec-tokens ${ks//,/ } --wait-oracle 900)
+      [[ $phase != oracle || -z $ks ]] || extra+=(--oracle-shard "$ks")
     fi
     CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-} python3 -m "$module" $args \
       --backends "$backend" "${extra[@]}" --port $((8321 + 100 * i)) --out-dir "$out" >"$log" 2>&1 &

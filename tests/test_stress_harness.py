@@ -630,3 +630,48 @@ def test_start_failure_names_the_engines_own_error(tmp_path):
     log.write_text("INFO nothing wrong here\n")
     assert serve.start_failure(log) == "server did not start"
     assert serve.start_failure(tmp_path / "absent.log") == "server did not start (no log)"
+
+
+def test_an_oracle_split_over_servers_side_by_side_is_merged_and_used(tmp_path, monkeypatch):
+    """--oracle-shard I/N: N oracle servers side by side each answer every N-th request; the last to
+    finish merges the shards into the backend's oracle, which a later stress run reuses and
+    compares against; a shard run asks its own server for its share only."""
+    monkeypatch.setattr(serve, "Server", _StandInServer)
+    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
+    monkeypatch.setattr(stress, "AFTER_ABORT_S", 0.05)
+    _StandInServer.starts, _StandInServer.fail = [], set()
+    work = tmp_path / "w"
+    common = ["--engine", "vllm", "--layers", "4", "--requests", "9", "--rate", "200", "--max-prompt", "200",
+              "--longest", "0", "--aborts", "2", "--suffixes", "2", "--flood", "2", "--max-tokens", "4",
+              "--backends", "flashqla", "--work-dir", str(work), "--out-dir", str(tmp_path / "o")]
+    rcs = []
+    runs = [threading.Thread(target=lambda i=i: rcs.append(stress.main(
+        [*common, "--phase", "oracle", "--oracle-shard", f"{i}/2", "--port", str(_free_port())]))) for i in (1, 2)]
+    for r in runs:
+        r.start()
+    for r in runs:
+        r.join(60)
+    assert rcs == [0, 0] and _StandInServer.starts == ["server-flashqla-oracle"] * 2
+    args = stress.parse_args(common)
+    plan = stress.plan_requests(args)
+    everything = [r["id"] for reqs in plan.values() for r in reqs if not r.get("abort")]
+    shards = [json.loads(stress.shard_path(work, "flashqla", (i, 2)).read_text())["results"] for i in (1, 2)]
+    assert sorted(shards[0]) == sorted(everything[0::2]) and sorted(shards[1]) == sorted(everything[1::2])
+    merged = json.loads((work / "oracle-flashqla.json").read_text())
+    assert sorted(merged["results"]) == sorted(everything) and len(merged["info"]["shards"]) == 2
+    assert not list(work.glob("oracle-flashqla.making*"))
+    # a later stress run reuses the merged oracle (no oracle server of its own) and compares against it
+    assert stress.main([*common, "--phase", "stress", "--port", str(_free_port())]) == 0
+    assert _StandInServer.starts[2:] == ["server-flashqla-stress"]
+    rows = {r["scenario"]: r for r in json.loads(next((tmp_path / "o").glob("*.json")).read_text())["rows"]}
+    assert rows["load"]["compared"] == rows["load"]["completed"] == 9
+
+
+def test_oracle_shard_is_checked():
+    base = ["--engine", "vllm", "--phase", "oracle"]
+    assert stress.parse_args([*base, "--oracle-shard", "2/3"]).oracle_shard == (2, 3)
+    for bad in ("0/2", "3/2", "x", "1/0"):
+        with pytest.raises(SystemExit):
+            stress.parse_args([*base, "--oracle-shard", bad])
+    with pytest.raises(SystemExit):  # a stress run reads the merged oracle; it makes none in shards
+        stress.parse_args(["--engine", "vllm", "--phase", "stress", "--oracle-shard", "1/2"])
