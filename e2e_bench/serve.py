@@ -764,6 +764,9 @@ def median_rows(runs: list[dict]) -> list[dict]:
             if len(ok) > 1:
                 row["spread"] = {k: [min(r[k] for r in ok), max(r[k] for r in ok)] for k in SPREAD_KEYS
                                  if all(r.get(k) is not None for r in ok)}
+                # the mean of all runs beside the median: servers of one backend differ by more than
+                # its rounds do, and a backend with more servers weighs each of them the same way
+                row["run_mean"] = {k: statistics.fmean(r[k] for r in ok) for k in row["spread"]}
         out.append(row)
     return out
 
@@ -863,9 +866,14 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines += ["## Spread over runs", "",
                   f"Each point above is the median of its runs: {meta.get('repeats', 1)} per server, "
                   f"servers per backend {json.dumps(meta.get('server_samples'))}.", "",
-                  "| backend | workload | conc | runs (failed) | total tok/s min-max | mean TTFT ms min-max | "
-                  "mean TPOT ms min-max |", "|---|---|---|---|---|---|---|"]
-        rng = lambda r, k, d: "—" if k not in r["spread"] else "-".join(f"{v:.{d}f}" for v in r["spread"][k])  # noqa: E731
+                  "| backend | workload | conc | runs (failed) | total tok/s min-max (mean) | "
+                  "mean TTFT ms min-max (mean) | mean TPOT ms min-max (mean) |", "|---|---|---|---|---|---|---|"]
+
+        def rng(r, k, d):
+            if k not in r["spread"]:
+                return "—"
+            mean = (r.get("run_mean") or {}).get(k)
+            return "-".join(f"{v:.{d}f}" for v in r["spread"][k]) + ("" if mean is None else f" ({mean:.{d}f})")
         for r in spread:
             lines.append(f"| {r['backend']} | {r['workload']} | {r['concurrency']} | {r['runs']} ({r['failed_runs']}) | "
                          f"{rng(r, 'total_tok_s', 0)} | {rng(r, 'mean_ttft_ms', 1)} | {rng(r, 'mean_tpot_ms', 2)} |")
@@ -1028,6 +1036,11 @@ def report(paths: list[str]) -> int:
     for path in paths:
         data = json.loads(pathlib.Path(path).read_text())
         stem = pathlib.Path(path).with_suffix("")
+        # files written before the rows kept their runs' mean get it from their runs
+        means = {(r["backend"], r["workload"], r["concurrency"]): r["run_mean"]
+                 for r in median_rows(data.get("runs") or []) if r.get("run_mean")}
+        for r in data["rows"]:
+            r.setdefault("run_mean", means.get((r["backend"], r["workload"], r["concurrency"])))
         stem.with_suffix(".md").write_text(markdown(data["meta"], data["rows"]) + "\n")
         for png in plot(data["meta"], data["rows"], stem):
             log(f"wrote {png}")

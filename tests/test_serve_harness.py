@@ -313,6 +313,9 @@ def test_a_point_measured_several_times_reports_its_median_and_spread():
     assert ours["total_tok_s"] == 110.0 and ours["output_tok_s"] == 55.0 and ours["mean_tpot_ms"] == pytest.approx(3.15)
     assert ours["runs"] == 4 and ours["failed_runs"] == 1 and "error" not in ours
     assert ours["spread"] == {"total_tok_s": [90.0, 140.0], "mean_ttft_ms": [10.0, 10.0], "mean_tpot_ms": [3.0, 4.4]}
+    assert ours["run_mean"]["total_tok_s"] == 112.5 and ours["run_mean"]["mean_tpot_ms"] == pytest.approx(3.425)
+    text = serve.markdown({"engine": "vllm", "tp": 1, "gpus": 1, "gpu": "H100", "repeats": 2}, rows)
+    assert "| flashqla | chat | 1 | 4 (1) | 90-140 (112) | 10.0-10.0 (10.0) | 3.00-4.40 (3.43) |" in text
     assert ours["clock_limits"] == ["SW power cap"] and "sample" not in ours and "round" not in ours
     assert theirs["error"] == "client exit 1: a" and theirs["runs"] == 0 and theirs["failed_runs"] == 2
     single = serve.median_rows([_run("triton", 32, 7.0, 2.0)])[0]
@@ -440,7 +443,13 @@ def test_results_with_runs_show_the_spread(tmp_path):
     data = json.loads(path.read_text())
     assert len(data["rows"]) == 1 and len(data["runs"]) == 2 and data["rows"][0]["total_tok_s"] == 110.0
     md = (tmp_path / "stem.md").read_text()
-    assert "## Spread over runs" in md and "| flashqla | chat | 1 | 2 (0) | 100-120 | 10.0-10.0 | 3.00-3.50 |" in md
+    assert "## Spread over runs" in md and "| flashqla | chat | 1 | 2 (0) | 100-120 (110) | 10.0-10.0 (10.0) | 3.00-3.50 (3.25) |" in md
+    # a file written before the rows kept their runs' mean: the report takes it from the runs
+    for r in data["rows"]:
+        del r["run_mean"]
+    path.write_text(json.dumps(data))
+    assert serve.report([str(path)]) == 0
+    assert "| 100-120 (110) | 10.0-10.0 (10.0) | 3.00-3.50 (3.25) |" in (tmp_path / "stem.md").read_text()
 
 
 def test_profile_point_reports_the_first_rank_and_keeps_every_rank(tmp_path, monkeypatch):
