@@ -451,17 +451,23 @@ def test_a_failed_oracle_ends_the_wait_beside_it_and_bad_requests_keep_the_deadl
     assert asyncio.run(stress.run_bad("vllm", _free_port(), 64, deadline=time.monotonic() - 1)) == []
 
 
-def test_runs_side_by_side_share_the_oracle_and_are_collected(tmp_path, monkeypatch):
-    """stress-split: a spec server starts at once beside the run that makes the oracle, and waits for
-    its tokens only to compare; --collect then writes every part; without an oracle a row fails."""
+def _stand_in_runs(monkeypatch, work, requests: int, max_prompt: int) -> list[str]:
+    """Stand-in servers (no engine), fast aborts, and the arguments of a small vLLM plan of
+    ``flashqla`` in ``work``: what the side-by-side tests share."""
     monkeypatch.setattr(serve, "Server", _StandInServer)
     monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
     monkeypatch.setattr(stress, "AFTER_ABORT_S", 0.05)
     _StandInServer.starts, _StandInServer.fail = [], set()
+    return ["--engine", "vllm", "--layers", "4", "--requests", str(requests), "--rate", "200", "--max-prompt",
+            str(max_prompt), "--longest", "0", "--aborts", "2", "--suffixes", "2", "--flood", "2", "--max-tokens", "4",
+            "--backends", "flashqla", "--work-dir", str(work)]
+
+
+def test_runs_side_by_side_share_the_oracle_and_are_collected(tmp_path, monkeypatch):
+    """stress-split: a spec server starts at once beside the run that makes the oracle, and waits for
+    its tokens only to compare; --collect then writes every part; without an oracle a row fails."""
     work = tmp_path / "work"
-    common = ["--engine", "vllm", "--layers", "4", "--requests", "8", "--rate", "200", "--max-prompt", "300",
-              "--longest", "0", "--aborts", "2", "--suffixes", "2", "--flood", "2", "--max-tokens", "4",
-              "--backends", "flashqla", "--work-dir", str(work)]
+    common = _stand_in_runs(monkeypatch, work, requests=8, max_prompt=300)
     spec_rc = []
     beside = threading.Thread(target=lambda: spec_rc.append(stress.main(
         [*common, "--phase", "spec", "--spec-tokens", "2", "--wait-oracle", "60", "--port", str(_free_port()),
@@ -636,14 +642,8 @@ def test_an_oracle_split_over_servers_side_by_side_is_merged_and_used(tmp_path, 
     """--oracle-shard I/N: N oracle servers side by side each answer every N-th request; the last to
     finish merges the shards into the backend's oracle, which a later stress run reuses and
     compares against; a shard run asks its own server for its share only."""
-    monkeypatch.setattr(serve, "Server", _StandInServer)
-    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
-    monkeypatch.setattr(stress, "AFTER_ABORT_S", 0.05)
-    _StandInServer.starts, _StandInServer.fail = [], set()
     work = tmp_path / "w"
-    common = ["--engine", "vllm", "--layers", "4", "--requests", "9", "--rate", "200", "--max-prompt", "200",
-              "--longest", "0", "--aborts", "2", "--suffixes", "2", "--flood", "2", "--max-tokens", "4",
-              "--backends", "flashqla", "--work-dir", str(work), "--out-dir", str(tmp_path / "o")]
+    common = _stand_in_runs(monkeypatch, work, requests=9, max_prompt=200) + ["--out-dir", str(tmp_path / "o")]
     rcs = []
     runs = [threading.Thread(target=lambda i=i: rcs.append(stress.main(
         [*common, "--phase", "oracle", "--oracle-shard", f"{i}/2", "--port", str(_free_port())]))) for i in (1, 2)]
