@@ -866,8 +866,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines += ["## Spread over runs", "",
                   f"Each point above is the median of its runs: {meta.get('repeats', 1)} per server, "
                   f"servers per backend {json.dumps(meta.get('server_samples'))}.", "",
-                  "| backend | workload | conc | runs (failed) | total tok/s min-max (mean) | "
-                  "mean TTFT ms min-max (mean) | mean TPOT ms min-max (mean) |", "|---|---|---|---|---|---|---|"]
+                  ("| backend | workload | conc | runs (failed) | total tok/s min-max (mean) | "
+                   "mean TTFT ms min-max (mean) | mean TPOT ms min-max (mean) |"), "|---|---|---|---|---|---|---|"]
 
         def rng(r, k, d):
             if k not in r["spread"]:

@@ -830,10 +830,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{'—' if mean is None else f'{mean:.1f}'} | {r['diverged_within_16']} | "
                      f"{m.get('preemptions', '—')} | {m.get('prefix_cache_hits', '—')} | "
                      f"{drafts_accepted(m) if r['scenario'].startswith('spec') else ''} |")
-    lines += ["", "Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"
-              "eviction with its flood of unrelated prompts), a speculative server's in all; rows without "
-              "`scenario_metrics` in the JSON show the server's totals. Drafts accepted: vLLM's accepted of "
-              "drafted tokens, SGLang's mean accepted length per verify step (its gauge at the end)."]
+    lines += ["", ("Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"
+               "eviction with its flood of unrelated prompts), a speculative server's in all; rows without "
+               "`scenario_metrics` in the JSON show the server's totals. Drafts accepted: vLLM's accepted of "
+               "drafted tokens, SGLang's mean accepted length per verify step (its gauge at the end).")]
     return "\n".join(lines) + "\n"
 
 
