@@ -25,6 +25,9 @@
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz).
+# caches-save (Triton's and FlashInfer's JIT caches of this machine as pieces jit-caches.tar.xz.NN in
+# $OUT) and caches-restore (the pieces carried in .device/jit-caches, unpacked into $HOME before any
+# server starts: a fresh machine then starts its servers warm; scripts/device_caches.sh keeps them here).
 # tests-background (the tests and check steps started in a process session of their own, which
 # outlives this call: the machine works through them while the next calls copy bundle parts) and
 # tests-wait (in a later call on the same machine: waits up to QLA_SUITE_WAIT seconds, default 600,
@@ -161,6 +164,35 @@ for step in "$@"; do
         python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --out-dir "$OUT" || rc=$?
         tar -C /tmp --exclude='*/model' -cJf "$OUT/stress-logs.tar.xz" $(cd /tmp && ls -d qla-stress-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/stress.log" | tail -60 ;;
+    caches-save)
+      # the JIT caches a cold start fills (Triton's: vLLM's and FLA's kernels; FlashInfer's: its JIT
+      # modules, e.g. SGLang's all-reduce fusion at TP > 1), back in pieces a call can return, so that
+      # the next machine starts warm (caches-restore); what is older than the image's versions is
+      # simply not hit there
+      ( dirs=(); for d in .triton/cache .cache/flashinfer; do [[ -d $HOME/$d ]] && dirs+=("$d"); done
+        ((${#dirs[@]})) || { echo "no JIT cache under $HOME"; exit 1; }
+        (cd "$HOME" && du -sh "${dirs[@]}")
+        rm -f "$OUT"/jit-caches.*
+        tar -C "$HOME" -cf - "${dirs[@]}" | xz -T0 -6 | split -b "${QLA_CACHE_PIECE:-15m}" -d -a 2 - "$OUT/jit-caches.tar.xz."
+        n=$(ls "$OUT"/jit-caches.tar.xz.* | wc -l)
+        if ((n > ${QLA_CACHE_MAX_PIECES:-5})); then
+          echo "the caches make $n pieces, more than a call returns beside its results: not kept"
+          rm -f "$OUT"/jit-caches.*; exit 1
+        fi
+        echo "$n" >"$OUT/jit-caches.count"
+        ls -l "$OUT"/jit-caches.*
+        echo "store them with: scripts/device_caches.sh store <the call's files_at>" ) 2>&1 | tee "$OUT/caches-save.log" | tail -12 ;;
+    caches-restore)
+      # the pieces carried in .device/jit-caches/K (one folder per call: K=1, 2, ... as stored),
+      # unpacked into $HOME once all are here
+      ( mkdir -p /tmp/qla-jit-pieces
+        cp -n "$here"/.device/jit-caches/*/jit-caches.* /tmp/qla-jit-pieces/ 2>/dev/null
+        n=$(cat /tmp/qla-jit-pieces/jit-caches.count 2>/dev/null || echo 0)
+        have=$(ls /tmp/qla-jit-pieces/jit-caches.tar.xz.* 2>/dev/null | wc -l)
+        if ((n == 0 || have < n)); then echo "JIT caches: $have of $n pieces here, carry the rest in the next call"; exit 0; fi
+        cat /tmp/qla-jit-pieces/jit-caches.tar.xz.* | xz -d | tar -C "$HOME" -xf - || exit 1
+        echo "JIT caches restored into $HOME:" $(cd "$HOME" && du -sh .triton/cache .cache/flashinfer 2>/dev/null)
+      ) 2>&1 | tee "$OUT/caches-restore.log" | tail -5 ;;
     tests-background)
       rm -rf /tmp/qla-suite-out /tmp/qla-suite.rc
       setsid nohup bash -c 'OUT=/tmp/qla-suite-out QLA_STAGE=/tmp/qla-stage-suite bash "$1" tests check \
