@@ -19,7 +19,7 @@ case ${1:-} in
   store)
     src=${2:?the folder the files of a caches-save call came back to}
     [[ -f $src/jit-caches.count ]] || { echo "no jit-caches.count in $src: not a caches-save call's files" >&2; exit 2; }
-    n=$(cat "$src/jit-caches.count")
+    read -r n _ <"$src/jit-caches.count"
     pieces=("$src"/jit-caches.tar.xz.*)
     ((${#pieces[@]} == n)) || { echo "$src holds ${#pieces[@]} of $n pieces" >&2; exit 2; }
     rm -rf "$keep" && mkdir -p "$keep"

@@ -179,18 +179,20 @@ for step in "$@"; do
           echo "the caches make $n pieces, more than a call returns beside its results: not kept"
           rm -f "$OUT"/jit-caches.*; exit 1
         fi
-        echo "$n" >"$OUT/jit-caches.count"
+        echo "$n $(date +%Y%m%d%H%M%S)-$RANDOM" >"$OUT/jit-caches.count"  # the pieces, and which save made them
         ls -l "$OUT"/jit-caches.*
         echo "store them with: scripts/device_caches.sh store <the call's files_at>" ) 2>&1 | tee "$OUT/caches-save.log" | tail -12 ;;
     caches-restore)
       # the pieces carried in .device/jit-caches/K (one folder per call: K=1, 2, ... as stored),
       # unpacked into $HOME once all are here
-      ( mkdir -p /tmp/qla-jit-pieces
-        cp -n "$here"/.device/jit-caches/*/jit-caches.* /tmp/qla-jit-pieces/ 2>/dev/null
-        n=$(cat /tmp/qla-jit-pieces/jit-caches.count 2>/dev/null || echo 0)
-        have=$(ls /tmp/qla-jit-pieces/jit-caches.tar.xz.* 2>/dev/null | wc -l)
-        if ((n == 0 || have < n)); then echo "JIT caches: $have of $n pieces here, carry the rest in the next call"; exit 0; fi
-        cat /tmp/qla-jit-pieces/jit-caches.tar.xz.* | xz -d | tar -C "$HOME" -xf - || exit 1
+      ( carried=$(ls "$here"/.device/jit-caches/*/jit-caches.count 2>/dev/null | head -1)
+        [[ -n $carried ]] || { echo "no .device/jit-caches/K carried in this call"; exit 1; }
+        read -r n stamp <"$carried"
+        pieces=${QLA_JIT_PIECES:-/tmp/qla-jit-pieces}/$stamp  # one save's pieces, kept across calls
+        mkdir -p "$pieces" && cp -n "$here"/.device/jit-caches/*/jit-caches.tar.xz.* "$pieces/"
+        have=$(ls "$pieces"/jit-caches.tar.xz.* | wc -l)
+        if ((have < n)); then echo "JIT caches: $have of $n pieces here, carry the rest in the next call"; exit 0; fi
+        cat "$pieces"/jit-caches.tar.xz.* | xz -d | tar -C "$HOME" -xf - || exit 1
         echo "JIT caches restored into $HOME:" $(cd "$HOME" && du -sh .triton/cache .cache/flashinfer 2>/dev/null)
       ) 2>&1 | tee "$OUT/caches-restore.log" | tail -5 ;;
     tests-background)
