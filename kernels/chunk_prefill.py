@@ -92,16 +92,6 @@ def missing(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_d
     return [f"{kind} {cfg}" for kind in ("prep", "chunk_fwd") if not library.has(kind, cfg)]
 
 
-def _flat_pool(state_pool: torch.Tensor, span_device: torch.device | None = None):
-    """The pool as one flat buffer from slot 0 to the end of the last slot (slot stride kept as
-    is): :func:`~.library.launch_arg`'s 1-D view, or its span on ``span_device``."""
-    n, hv, vd, kd = state_pool.shape
-    if state_pool.stride()[1:] != (vd * kd, kd, 1):
-        raise ValueError("state_pool's inner three dims [HV, V, K] must be contiguous")
-    numel = (n - 1) * state_pool.stride(0) + hv * vd * kd
-    return library.launch_arg(state_pool, (numel,), (1,), span_device)
-
-
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale: float, plan, state_pool, state_indices,
                                has_initial_state, use_qk_l2norm: bool, checkpoints=None, out) -> None:
     """Chunked GDN prefill on the engine's state pool, in place. No host sync, no per-shape compile.
@@ -172,7 +162,7 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
     items = plan.work_items
     # A library kernel reads pointers and shapes: spans instead of views (no torch op).
     span_device = dev if isinstance(fwd, library.LibraryKernel) else None
-    flat_pool = _flat_pool(state_pool, span_device)
+    flat_pool = library.pool_arg(state_pool, span_device)
     h0_pool, h0_slots, h0_stride = flat_pool, state_indices, state_pool.stride(0)
     if plan.context_parallel is not None:
         # Several work items of one sequence run at once and the last one writes the final

@@ -250,7 +250,6 @@ def gated_delta_rule_decode_fwd(
     # columns: rows = whole packed rows spanned), v, a, b, the pool and the intermediates flat.
     qk_rows = [(tokens - 1) * (st // (H * K)) + 1 for st in strides[:2]]
     flat_lens = [(tokens - 1) * st + w for st, w in zip(strides[2:], (HV * V, HV, HV))]
-    pool_len = (state_pool.shape[0] - 1) * slot_stride + HV * V * K
     key = _key(
         H,
         HV,
@@ -272,7 +271,7 @@ def gated_delta_rule_decode_fwd(
     arg = library.launch_arg
     q_k = [arg(x, (rows, H, K), (H * K, K, 1), span_device) for x, rows in zip((q, k), qk_rows)]
     v_a_b = [arg(x, (n,), (1,), span_device) for x, n in zip((v, a, b), flat_lens)]
-    pool_flat = arg(state_pool, (pool_len,), (1,), span_device)
+    pool_flat = library.pool_arg(state_pool, span_device)
     # (unused by the kernel compiled without intermediates)
     inter_flat = pool_flat if intermediate_states is None else arg(
         intermediate_states, (intermediate_states.numel(),), (1,), span_device)

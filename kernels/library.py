@@ -136,6 +136,15 @@ def launch_arg(x: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]
     return torch.as_strided(x, shape, strides)
 
 
+def pool_arg(state_pool: torch.Tensor, span_device: torch.device | None) -> "Span | torch.Tensor":
+    """The engine's ``[num_slots, HV, V, K]`` pool read as one flat buffer from slot 0 to the end of
+    the last slot, its slot stride kept as it is (the kernels index slots by that stride)."""
+    n, hv, vd, kd = state_pool.shape
+    if state_pool.stride()[1:] != (vd * kd, kd, 1):
+        raise ValueError("state_pool's inner three dims [HV, V, K] must be contiguous")
+    return launch_arg(state_pool, ((n - 1) * state_pool.stride(0) + hv * vd * kd,), (1,), span_device)
+
+
 class LibraryKernel:
     """One precompiled kernel, called like the TileLang kernel it was built from: the prim
     function's parameters in order (tensors, then Python scalars), on the current stream.
