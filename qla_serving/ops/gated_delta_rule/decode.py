@@ -28,11 +28,11 @@ def _kernel():
     return _kernel_module
 
 
-def _readable(x: torch.Tensor, inner: tuple[int, ...], row_multiple: int = 1, aligned: bool = False):
+def _readable(token_stride, x: torch.Tensor, inner: tuple[int, ...], row_multiple: int = 1,
+              aligned: bool = False):
     """``x`` and the token stride the kernel reads it at: in place where the kernel module's
-    :func:`token_stride` rule allows (and, with ``aligned``, its data 16-byte aligned), else a
+    ``token_stride`` rule allows (and, with ``aligned``, its data 16-byte aligned), else a
     contiguous copy."""
-    token_stride = _kernel().token_stride
     st = token_stride(x, inner, row_multiple)
     if st is None or (aligned and x.data_ptr() % 16):
         x = x.contiguous()
@@ -129,11 +129,12 @@ def gated_delta_rule_decode(
                               intermediate_states=intermediate_states, out=out)
     # Row-strided views are read in place (the kernel module's rule); anything else is copied into
     # the layout the kernel reads. The strides go to the kernel entry as they are.
-    q, st_q = _readable(q, (H, K), H * K, aligned=True)
-    k, st_k = _readable(k, (H, K), H * K, aligned=True)
-    v, st_v = _readable(v, (HV, V))
-    a, st_a = _readable(a, (HV,))
-    b, st_b = _readable(b, (HV,))
+    rule = _kernel().token_stride
+    q, st_q = _readable(rule, q, (H, K), H * K, aligned=True)
+    k, st_k = _readable(rule, k, (H, K), H * K, aligned=True)
+    v, st_v = _readable(rule, v, (HV, V))
+    a, st_a = _readable(rule, a, (HV,))
+    b, st_b = _readable(rule, b, (HV,))
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True,
                         min_slot=min_slot)
     if intermediate_states is not None:
