@@ -473,10 +473,15 @@ def save_part(work: pathlib.Path, key: str, backend: str, part: str, rows: list[
     serve.write_whole(part_path(work, backend, part), json.dumps({"key": key, "rows": rows, "info": info}))
 
 
+def saved_for(path: pathlib.Path, key: str) -> dict | None:
+    """What ``path`` holds when it was saved for ``key`` (this plan and servers), else None."""
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    return saved if saved.get("key") == key else None
+
+
 def has_part(work: pathlib.Path, key: str, backend: str, part: str) -> bool:
     """Whether ``work`` holds ``part`` of ``backend`` saved for ``key`` (this plan)."""
-    path = part_path(work, backend, part)
-    return path.is_file() and json.loads(path.read_text()).get("key") == key
+    return saved_for(part_path(work, backend, part), key) is not None
 
 
 def shard_path(work: pathlib.Path, backend: str, shard: tuple[int, int]) -> pathlib.Path:
@@ -488,14 +493,12 @@ def saved_oracle(work: pathlib.Path, backend: str, key: str) -> dict | None:
     """The oracle's results for ``key`` saved in ``work`` (None when absent or for another plan): the
     whole oracle, or every shard of one split over servers side by side, merged into it."""
     path = work / f"oracle-{backend}.json"
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    if saved.get("key") == key:
+    if (saved := saved_for(path, key)) is not None:
         return saved["results"]
     by_count: dict[int, dict[int, dict]] = {}
     for shard in work.glob(f"oracle-{backend}.shard-*-of-*.json"):
         i, _, n = shard.stem.split(".shard-")[1].partition("-of-")
-        part = json.loads(shard.read_text())
-        if part.get("key") == key:
+        if (part := saved_for(shard, key)) is not None:
             by_count.setdefault(int(n), {})[int(i)] = part
     for n, parts in by_count.items():
         if len(parts) == n:
@@ -530,8 +533,7 @@ def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
     found = []
     for backend in backends:
         for path in work.glob(f"rows-{backend}-*.json"):
-            saved = json.loads(path.read_text())
-            if saved.get("key") == key:
+            if (saved := saved_for(path, key)) is not None:
                 part = path.stem[len(f"rows-{backend}-"):]
                 order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (2, int(part[4:]) if part[4:].isdigit() else 99)
                 found.append((order, {"backend": backend, "part": part, **saved}))
@@ -615,8 +617,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         serve.log(f"oracle {backend}: reusing {oracle_file}")
     elif args.wait_oracle and args.phase in ("stress", "spec"):
         serve.log(f"oracle {backend}: made by the run beside this one; compared once {oracle_file} is there")
-    elif args.oracle_shard != (1, 1) and shard_path(work, backend, args.oracle_shard).is_file() and \
-            json.loads(shard_path(work, backend, args.oracle_shard).read_text()).get("key") == key:
+    elif args.oracle_shard != (1, 1) and saved_for(shard_path(work, backend, args.oracle_shard), key):
         serve.log(f"oracle {backend}: reusing {shard_path(work, backend, args.oracle_shard)}")
     else:
         # this run's share of the oracle's requests: all of them, or every N-th from the I-th
