@@ -46,6 +46,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # harness's --collect of what they saved. REST: serve's server sample, or stress's PHASE[:K,K...].
 # Servers run in sessions of their own; one that outlived an earlier call on a machine kept warm
 # (a call ended at its time limit) would hold its GPU and port.
+# The JIT caches a cold engine start fills (caches-save / caches-restore), under $HOME.
+jit_cache_dirs=(.triton/cache .cache/flashinfer)
 stop_leftover_servers() {
   local pids
   pids=$(pgrep -f "vllm.entrypoints.cli.main serve|sglang.launch_server" || true)
@@ -169,7 +171,7 @@ for step in "$@"; do
       # modules, e.g. SGLang's all-reduce fusion at TP > 1), back in pieces a call can return, so that
       # the next machine starts warm (caches-restore); what is older than the image's versions is
       # simply not hit there
-      ( dirs=(); for d in .triton/cache .cache/flashinfer; do [[ -d $HOME/$d ]] && dirs+=("$d"); done
+      ( dirs=(); for d in "${jit_cache_dirs[@]}"; do [[ -d $HOME/$d ]] && dirs+=("$d"); done
         ((${#dirs[@]})) || { echo "no JIT cache under $HOME"; exit 1; }
         (cd "$HOME" && du -sh "${dirs[@]}")
         rm -f "$OUT"/jit-caches.*
@@ -193,7 +195,7 @@ for step in "$@"; do
         have=$(ls "$pieces"/jit-caches.tar.xz.* | wc -l)
         if ((have < n)); then echo "JIT caches: $have of $n pieces here, carry the rest in the next call"; exit 0; fi
         cat "$pieces"/jit-caches.tar.xz.* | xz -d | tar -C "$HOME" -xf - || exit 1
-        echo "JIT caches restored into $HOME:" $(cd "$HOME" && du -sh .triton/cache .cache/flashinfer 2>/dev/null)
+        echo "JIT caches restored into $HOME:" $(cd "$HOME" && du -sh "${jit_cache_dirs[@]}" 2>/dev/null)
       ) 2>&1 | tee "$OUT/caches-restore.log" | tail -5 ;;
     tests-background)
       rm -rf /tmp/qla-suite-out /tmp/qla-suite.rc

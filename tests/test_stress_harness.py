@@ -586,13 +586,9 @@ def test_a_wait_for_an_oracle_nobody_makes_ends_after_the_grace(tmp_path, monkey
     """A spec run told to wait for an oracle that no run is making for its plan and server arguments
     (an oracle saved under other server arguments, nothing beside it) stops waiting once the grace has
     passed, instead of holding its call to --wait-oracle; the log says which key it had."""
-    monkeypatch.setattr(serve, "Server", _StandInServer)
-    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
     monkeypatch.setattr(stress, "ORACLE_MAKER_GRACE_S", 0.5)
-    _StandInServer.starts, _StandInServer.fail = [], set()
-    common = ["--engine", "vllm", "--layers", "4", "--requests", "4", "--rate", "200", "--max-prompt", "100",
-              "--longest", "0", "--max-tokens", "4", "--backends", "flashqla", "--work-dir", str(tmp_path / "w"),
-              "--port", str(_free_port()), "--out-dir", str(tmp_path / "o")]
+    common = _stand_in_runs(monkeypatch, tmp_path / "w", requests=4, max_prompt=100) + [
+        "--port", str(_free_port()), "--out-dir", str(tmp_path / "o")]
     assert stress.main([*common, "--phase", "oracle"]) == 0
     assert not stress.maker_path(tmp_path / "w", "flashqla").exists()  # the maker's mark goes with it
     logs = []
