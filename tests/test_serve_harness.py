@@ -401,6 +401,7 @@ def test_repeats_run_every_point_once_per_round_in_one_server(tmp_path, monkeypa
     assert calls == ["client-flashqla-warmup-s2.json"] + [
         f"client-flashqla-{w}-c{c}-s2-r{r}.json" for r in (1, 2) for w in ("short", "chat") for c in (1, 32)]
     assert info["warmup"]["workload"] == "short" and info["warmup"]["concurrency"] == 32
+    assert info["warmup"]["num_prompts"] == 32  # one wave, where a measured point at 32 sends more
     assert [(r["workload"], r["concurrency"], r["round"], r["sample"]) for r in rows][:5] == [
         ("short", 1, 1, 2), ("short", 32, 1, 2), ("chat", 1, 1, 2), ("chat", 32, 1, 2), ("short", 1, 2, 2)]
     assert info["sample"] == 2 and not info.get("error")
