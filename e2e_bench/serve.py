@@ -695,15 +695,23 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, client: Clie
     time.sleep(5)  # the worker writes its trace after stop_profile returns
     out = {"client_rc": rc}
     texts = []
+    ranks = []
     for t in prof.find_traces(trace_dir):
         summ = prof.summarize(prof.load_trace(t))
         if summ["kernel_us_total"]:
+            ranks.append((t.name, summ))
             texts.append(prof.markdown(f"{backend} {workload} c{conc} — {t.name}", summ, args.profile_steps))
             if "trace" in out:
                 continue  # the numbers below are the first rank's (every rank's are in the markdown)
             out.update(trace=t.name, kernel_ms_per_step=summ["kernel_us_total"] / 1e3 / args.profile_steps,
                        gdn_ms_per_step={k: v / 1e3 / args.profile_steps for k, v in summ["gdn_us"].items()},
                        gdn_op_host_us=summ["gdn_op_host_us"])
+    if len(ranks) > 1:
+        texts.insert(0, prof.ranks_table(ranks, args.profile_steps))
+        out["ranks_ms_per_step"] = {name: {"kernels": s["kernel_us_total"] / 1e3 / args.profile_steps,
+                                           "collectives": s["comm_us"] / 1e3 / args.profile_steps,
+                                           "no_kernel": s["gpu_idle_us"] / 1e3 / args.profile_steps}
+                                    for name, s in ranks}
     table = trace_dir / "profiler_out_0.txt"
     stem = results_stem(gpu_name(), s.engine, s.tp, args.tag)
     pathlib.Path(args.out_dir).mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,9 @@ GDN_PATTERNS = {
     "post-conv prep": re.compile(r"post_conv|l2norm|gdn_gating", re.I),
 }
 GDN_OP = "vllm::qwen_gdn_attention_core"
+# Collective kernels (NCCL's, vLLM's and FlashInfer's all-reduce): at TP > 1 a rank whose step
+# starts late holds the others inside these, so their time says which rank waits.
+COMM_PATTERN = re.compile(r"nccl|all_?reduce|cross_device_reduce|allgather|reduce_?scatter", re.I)
 
 
 def load_trace(path: pathlib.Path) -> list[dict]:
@@ -55,6 +58,8 @@ def summarize(events: list[dict], top: int = 25) -> dict:
     counts = collections.Counter()
     gdn = collections.Counter()
     first = last = None
+    comm = 0.0
+    spans = []
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
@@ -64,15 +69,22 @@ def summarize(events: list[dict], top: int = 25) -> dict:
         group = classify(name)
         if group:
             gdn[group] += dur
+        if COMM_PATTERN.search(name):
+            comm += dur
         ts = float(e.get("ts", 0.0))
+        spans.append((ts, ts + dur))
         first = ts if first is None else min(first, ts)
         last = ts + dur if last is None else max(last, ts + dur)
     host = [float(e["dur"]) for e in events
             if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and e.get("name") == GDN_OP]
     total = sum(kernels.values())
+    span = (last - first) if first is not None else 0.0
     return {
         "kernel_us_total": total,
-        "gpu_span_us": (last - first) if first is not None else 0.0,
+        "gpu_span_us": span,
+        "comm_us": comm,
+        # the span's time with no kernel running (kernels on several streams counted once)
+        "gpu_idle_us": span - busy_time(spans),
         "gdn_us": dict(gdn),
         "gdn_share": (sum(gdn.values()) / total) if total else 0.0,
         "top": [(n, kernels[n], counts[n]) for n, _ in kernels.most_common(top)],
@@ -81,10 +93,24 @@ def summarize(events: list[dict], top: int = 25) -> dict:
     }
 
 
+def busy_time(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    busy, end = 0.0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy
+
+
 def markdown(label: str, s: dict, steps: int | None = None) -> str:
     per = f" ({s['kernel_us_total'] / steps / 1e3:.2f} ms per step over {steps} steps)" if steps else ""
     lines = [f"### {label}", "",
-             f"GPU kernel time {s['kernel_us_total'] / 1e3:.1f} ms{per}, GPU span {s['gpu_span_us'] / 1e3:.1f} ms; "
+             f"GPU kernel time {s['kernel_us_total'] / 1e3:.1f} ms{per}, GPU span {s['gpu_span_us'] / 1e3:.1f} ms "
+             f"(no kernel running for {s['gpu_idle_us'] / 1e3:.1f} ms of it), collectives {s['comm_us'] / 1e3:.1f} ms; "
              f"GDN core share {100 * s['gdn_share']:.1f}%", "",
              "| GDN part | kernel ms |", "|---|---|"]
     lines += [f"| {k} | {v / 1e3:.2f} |" for k, v in sorted(s["gdn_us"].items())]
@@ -93,6 +119,17 @@ def markdown(label: str, s: dict, steps: int | None = None) -> str:
         lines += ["", f"`{GDN_OP}` host time: {h['calls']} calls, median {h['median']:.1f} us, mean {h['mean']:.1f} us"]
     lines += ["", "| kernel | ms | calls | GDN part |", "|---|---|---|---|"]
     lines += [f"| `{n[:90]}` | {us / 1e3:.2f} | {c} | {classify(n) or ''} |" for n, us, c in s["top"]]
+    return "\n".join(lines) + "\n"
+
+
+def ranks_table(summaries: list[tuple[str, dict]], steps: int | None = None) -> str:
+    """One line per trace (a TP rank's worker): per step when ``steps`` is known. At TP > 1 the
+    rank with the least time in collectives is the one the others wait for."""
+    div, unit = (steps * 1e3, "ms per step") if steps else (1e3, "ms")
+    lines = [f"| trace | kernels ({unit}) | collectives | no kernel running | GPU span |", "|---|---|---|---|---|"]
+    for name, s in summaries:
+        lines.append(f"| `{name}` | {s['kernel_us_total'] / div:.3f} | {s['comm_us'] / div:.3f} | "
+                     f"{s['gpu_idle_us'] / div:.3f} | {s['gpu_span_us'] / div:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -112,12 +149,16 @@ def main(argv=None) -> int:
         print(f"profile: no torch-profiler trace under {args.trace_dir}", file=sys.stderr)
         return 1
     text = ""
+    ranks = []
     for t in traces:
-        # rank 0's worker trace holds the GPU kernels; the front-end's holds none
+        # the workers' traces hold the GPU kernels; the front-end's holds none
         s = summarize(load_trace(t))
         if not s["kernel_us_total"]:
             continue
+        ranks.append((t.name, s))
         text += markdown(f"{args.label or t.parent.name} — {t.name}", s, args.steps) + "\n"
+    if len(ranks) > 1:
+        text = ranks_table(ranks, args.steps) + "\n" + text
     print(text)
     if args.out:
         pathlib.Path(args.out).write_text(text)

@@ -226,7 +226,34 @@ def test_profile_summary_splits_gdn_kernels_from_the_rest(tmp_path):
     assert s["gdn_op_host_us"]["calls"] == 2 and s["gdn_op_host_us"]["median"] == 50
     md = profile.markdown("x", s, steps=2)
     assert "0.50 ms per step over 2 steps" in md and "GDN core share 32.0%" in md
+    assert s["comm_us"] == 0 and s["gpu_idle_us"] == 0
     assert profile.main([str(tmp_path), "--out", str(tmp_path / "p.md")]) == 0
+
+
+def test_profile_summary_names_the_rank_that_waits_in_collectives(tmp_path):
+    """At TP > 1 each worker's trace is summarised: time in collectives, time with no kernel
+    running (overlapping kernels of two streams counted once), and one table over the ranks."""
+    late = [  # waits for nobody: its all-reduce is short, it starts each step late
+        {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": 400, "dur": 500},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ts": 900, "dur": 100},
+    ]
+    early = [  # starts at once, then waits in the all-reduce; a copy on a second stream overlaps
+        {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": 0, "dur": 500},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 100, "dur": 200},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ts": 500, "dur": 500},
+        {"ph": "X", "cat": "kernel", "name": "cross_device_reduce_1stage", "ts": 1200, "dur": 100},
+    ]
+    for rank, ev in ((0, early), (1, late)):
+        with gzip.open(tmp_path / f"rank{rank}.pt.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": ev}, f)
+    s0, s1 = (profile.summarize(profile.load_trace(t)) for t in profile.find_traces(tmp_path))
+    assert s0["comm_us"] == 600 and s0["gpu_span_us"] == 1300 and s0["gpu_idle_us"] == 200
+    assert s1["comm_us"] == 100 and s1["gpu_idle_us"] == 0
+    table = profile.ranks_table([("rank0", s0), ("rank1", s1)], steps=2)
+    assert "| `rank0` | 0.650 | 0.300 | 0.100 | 0.650 |" in table
+    out = tmp_path / "p.md"
+    assert profile.main([str(tmp_path), "--steps", "2", "--out", str(out)]) == 0
+    assert out.read_text().startswith("| trace |") and "collectives 0.6 ms" in out.read_text()
 
 
 @pytest.mark.parametrize("name, part", [
@@ -477,6 +504,11 @@ def test_profile_point_reports_the_first_rank_and_keeps_every_rank(tmp_path, mon
     assert out["gdn_ms_per_step"] == {"recurrence (decode)": pytest.approx(0.001)}
     md = next((tmp_path / "out").glob("*-profile-flashqla-s2.md")).read_text()
     assert "dp0_pp0_tp0" in md and "dp0_pp0_tp1" in md
+    # every rank's collectives per step, side by side (rank 1 sat in its all-reduce 10x longer)
+    ranks = out["ranks_ms_per_step"]
+    assert ranks[next(n for n in ranks if "tp1" in n)]["collectives"] == pytest.approx(0.499)
+    assert ranks[next(n for n in ranks if "tp0" in n)]["collectives"] == pytest.approx(0.099)
+    assert md.startswith("| trace |")
 
 
 def test_agreement_falls_back_to_a_built_in_backend_when_the_reference_did_not_run():
