@@ -52,7 +52,7 @@ to wgmma (HGMMA in the SASS, no HMMA). The triangular merge's four products take
 from dataclasses import dataclass
 
 from ..constants import CHUNK_SIZE as CHUNK
-from ..constants import HEAD_DIM, L2NORM_EPS
+from ..constants import HEAD_DIM, L2NORM_EPS, SOFTPLUS_THRESHOLD
 from .configs import PREFILL_CONFIGS
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): one MUFU instruction
@@ -69,6 +69,12 @@ class PrefillStaticConfig:
     beta_dtype: str  # "float32" or the activation dtype
     pool_dtype: str  # state pool and checkpoints: "float32" | "bfloat16"
     use_qk_l2norm: bool
+    # None: q, k, v are contiguous tensors and the gates g, beta are given. (A_log dtype, dt_bias
+    # dtype): the engine's own buffers, read in place: q, k and v as the column ranges of its
+    # packed conv output [T, (2H + HV) K] (rows contiguous), and g, beta made in prep from its
+    # gate inputs a and b (any token stride) with the layer's A_log and dt_bias, so that no pass
+    # splits, normalises and gates them first. Needs use_qk_l2norm (the conv output is raw).
+    packed_inputs: tuple = None
 
 
 def _target():
@@ -101,6 +107,13 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
     NT = T.dynamic("num_tokens", "int64")
     NC = T.dynamic("num_chunks", "int64")
     BLK = 16  # diagonal block size of the triangular solve
+    packed = cfg.packed_inputs is not None
+    if packed and not l2:
+        raise ValueError("packed inputs are the raw conv output: they need use_qk_l2norm")
+    QKV = (2 * H + HV) * K  # a packed conv output row: q, k, v columns
+
+    def softplus(x):
+        return T.if_then_else(x > SOFTPLUS_THRESHOLD, x, T.log1p(T.exp(x)))
 
     @T.macro
     def rnorm_from_diag(gram_f, rnorm_s):
@@ -110,17 +123,9 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             if i == j:
                 rnorm_s[i] = T.rsqrt(gram_f[i, j] + L2NORM_EPS)
 
-    @T.prim_func
-    def prep(
-        q: T.Tensor((NT, H, K), dt),
-        k: T.Tensor((NT, H, K), dt),
-        g: T.Tensor((NT, HV), f32),
-        beta: T.Tensor((NT, HV), bdt),
-        chunk_bounds: T.Tensor((NC, 2), "int32"),
-        t_beta: T.Tensor((NC, HV, C, C), dt),
-        g_cum: T.Tensor((NC, HV, C), f32),
-        qk_rnorm: T.Tensor((NC, H, 2, C), f32),
-    ):
+    @T.macro
+    def prep_body(q, k, g, beta, A_log, dt_bias, a_stride, b_stride, chunk_bounds, t_beta, g_cum, qk_rnorm):
+        # packed: q and k are the conv output [NT, QKV], g and beta the flat gate inputs a and b
         with T.Kernel(NC, HV, threads=threads) as (ic, hv):
             # chunk_fwd may launch once every prep block has started (programmatic dependent
             # launch): its blocks take SMs as prep's last wave drains, and wait in pdl_sync
@@ -171,14 +176,32 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             # per-thread copy instructions: those were a sixth of this kernel's), the gates by
             # 64 threads. Rows past the chunk's end are the next sequence's (or zeros past the
             # batch): they are never written out, and in A they meet beta = 0 or the mask.
-            T.tma_copy(k[bos : bos + C, hk, :], k_s, barrier=loaded)
-            if l2:
+            if packed:
+                T.tma_copy(k[bos : bos + C, (H + hk) * K : (H + hk + 1) * K], k_s, barrier=loaded)
                 if hv % ratio == 0:
-                    T.tma_copy(q[bos : bos + C, hk, :], q_s, barrier=loaded)
+                    T.tma_copy(q[bos : bos + C, hk * K : (hk + 1) * K], q_s, barrier=loaded)
+            else:
+                T.tma_copy(k[bos : bos + C, hk, :], k_s, barrier=loaded)
+                if l2:
+                    if hv % ratio == 0:
+                        T.tma_copy(q[bos : bos + C, hk, :], q_s, barrier=loaded)
             T.barrier_arrive(loaded)
-            for i in T.Parallel(C):
-                g_s[i] = T.if_then_else(i < L, g[bos + i, hv], 0.0)
-                b_s[i] = T.if_then_else(i < L, T.cast(beta[bos + i, hv], f32), 0.0)
+            if packed:
+                # the gates from the engine's a and b: g = -exp(A_log) softplus(a + dt_bias),
+                # beta = sigmoid(b) (each load under its row's test: rows past the chunk's end
+                # may lie past the batch)
+                for i in T.Parallel(C):
+                    g_s[i] = T.if_then_else(
+                        i < L,
+                        -T.exp(T.cast(A_log[hv], f32)) * softplus(
+                            T.cast(g[(bos + i) * a_stride + hv], f32) + T.cast(dt_bias[hv], f32)),
+                        0.0)
+                    b_s[i] = T.if_then_else(
+                        i < L, 1.0 / (1.0 + T.exp(-T.cast(beta[(bos + i) * b_stride + hv], f32))), 0.0)
+            else:
+                for i in T.Parallel(C):
+                    g_s[i] = T.if_then_else(i < L, g[bos + i, hv], 0.0)
+                    b_s[i] = T.if_then_else(i < L, T.cast(beta[bos + i, hv], f32), 0.0)
             T.clear(Dinv_s)  # the substitution below writes the diagonal blocks
             # inclusive cumsum of the gate inside the chunk (past the chunk's end g = 0: G stays flat)
             T.cumsum(src=g_s, dst=G_s, dim=0)
@@ -279,6 +302,42 @@ def _build_prep(cfg: PrefillStaticConfig, threads: int, min_blocks: int = 0, a_r
             T.tma_copy(Tb_s, t_beta[ic, hv, :, :])
             T.tma_store_wait()
 
+    if packed:
+        alog_dt, bias_dt = cfg.packed_inputs
+        NA = T.dynamic("a_elems", "int64")
+        NB = T.dynamic("b_elems", "int64")
+
+        @T.prim_func
+        def prep(
+            qkv: T.Tensor((NT, QKV), dt),
+            a: T.Tensor((NA,), dt),
+            b: T.Tensor((NB,), dt),
+            A_log: T.Tensor((HV,), alog_dt),
+            dt_bias: T.Tensor((HV,), bias_dt),
+            a_stride: T.int64,
+            b_stride: T.int64,
+            chunk_bounds: T.Tensor((NC, 2), "int32"),
+            t_beta: T.Tensor((NC, HV, C, C), dt),
+            g_cum: T.Tensor((NC, HV, C), f32),
+            qk_rnorm: T.Tensor((NC, H, 2, C), f32),
+        ):
+            prep_body(qkv, qkv, a, b, A_log, dt_bias, a_stride, b_stride, chunk_bounds, t_beta, g_cum, qk_rnorm)
+
+        return prep
+
+    @T.prim_func
+    def prep(
+        q: T.Tensor((NT, H, K), dt),
+        k: T.Tensor((NT, H, K), dt),
+        g: T.Tensor((NT, HV), f32),
+        beta: T.Tensor((NT, HV), bdt),
+        chunk_bounds: T.Tensor((NC, 2), "int32"),
+        t_beta: T.Tensor((NC, HV, C, C), dt),
+        g_cum: T.Tensor((NC, HV, C), f32),
+        qk_rnorm: T.Tensor((NC, H, 2, C), f32),
+    ):
+        prep_body(q, k, g, beta, None, None, None, None, chunk_bounds, t_beta, g_cum, qk_rnorm)
+
     return prep
 
 
@@ -346,6 +405,10 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
     NP = T.dynamic("pool_elems", "int64")
     NP0 = T.dynamic("h0_pool_elems", "int64")
     NCK = T.dynamic("num_ckpt_rows", "int64")
+    packed = cfg.packed_inputs is not None
+    # packed inputs: q, k and v are one buffer, the engine's conv output (its q, k, v columns)
+    QK_SHAPE = (NT, (2 * H + HV) * K) if packed else (NT, H, K)
+    V_SHAPE = QK_SHAPE if packed else (NT, HV, V)
     WG = 128
     NREG_STATE, NREG_P, NREG_PRODUCER = nregs
     # Each thread starts with 64K / 512 = 128 registers. setmaxnreg.inc below the current count
@@ -419,9 +482,9 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
 
     @T.prim_func
     def chunk_fwd(
-        q: T.Tensor((NT, H, K), dt),
-        k: T.Tensor((NT, H, K), dt),
-        v: T.Tensor((NT, HV, V), dt),
+        q: T.Tensor(QK_SHAPE, dt),
+        k: T.Tensor(QK_SHAPE, dt),
+        v: T.Tensor(V_SHAPE, dt),
         t_beta: T.Tensor((NC, HV, C, C), dt),
         g_cum: T.Tensor((NC, HV, C), f32),
         qk_rnorm: T.Tensor((NC, H, 2, C), f32),
@@ -673,9 +736,15 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                     cs = bos + (first + c) * C
                     T.barrier_wait(empty[st], ((c // 2) % 2) ^ 1)
                     # TMA loads that arrive on full[st] with their byte counts
-                    T.tma_copy(q[cs : cs + C, hk, :], q_s[st, :, :], barrier=full[st])
-                    T.tma_copy(k[cs : cs + C, hk, :], k_s[st, :, :], barrier=full[st])
-                    T.tma_copy(v[cs : cs + C, hv, :], v_s[st, :, :], barrier=full[st])
+                    if packed:
+                        T.tma_copy(q[cs : cs + C, hk * K : (hk + 1) * K], q_s[st, :, :], barrier=full[st])
+                        T.tma_copy(k[cs : cs + C, (H + hk) * K : (H + hk + 1) * K], k_s[st, :, :], barrier=full[st])
+                        T.tma_copy(v[cs : cs + C, 2 * H * K + hv * V : 2 * H * K + (hv + 1) * V], v_s[st, :, :],
+                                   barrier=full[st])
+                    else:
+                        T.tma_copy(q[cs : cs + C, hk, :], q_s[st, :, :], barrier=full[st])
+                        T.tma_copy(k[cs : cs + C, hk, :], k_s[st, :, :], barrier=full[st])
+                        T.tma_copy(v[cs : cs + C, hv, :], v_s[st, :, :], barrier=full[st])
                     T.tma_copy(t_beta[row0 + first + c, hv, :, :], t_s[st, :, :], barrier=full[st])
                     T.tma_copy(g_cum[row0 + first + c, hv, :], g_s[st, :], barrier=full[st])
                     T.tma_copy(qk_rnorm[row0 + first + c, hk, :, :], rn_s[st, :, :], barrier=full[st])
