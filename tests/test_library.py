@@ -63,7 +63,10 @@ def test_kernel_key_is_stable_for_both_config_kinds():
         "decode", [2, 8, 1, "bfloat16", "bfloat16", "float32", "bfloat16", "float32", "int32", True, False, True,
                    [16, 64, 8, 0, True]]]
     pcfg = chunk_prefill.PrefillStaticConfig(2, 8, "bfloat16", "float32", "float32", False)
-    assert json.loads(library.kernel_key("prep", pcfg)) == ["prep", [2, 8, "bfloat16", "float32", "float32", False]]
+    assert json.loads(library.kernel_key("prep", pcfg)) == ["prep", [2, 8, "bfloat16", "float32", "float32", False, None]]
+    packed = chunk_prefill.PrefillStaticConfig(2, 8, "bfloat16", "float32", "float32", True, ("float32", "bfloat16"))
+    assert json.loads(library.kernel_key("chunk_fwd", packed)) == [
+        "chunk_fwd", [2, 8, "bfloat16", "float32", "float32", True, ["float32", "bfloat16"]]]
 
 
 @pytest.fixture
