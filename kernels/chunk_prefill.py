@@ -61,8 +61,17 @@ def static_config(q, v, beta, state_pool, use_qk_l2norm: bool) -> PrefillStaticC
     )
 
 
+def packed_config(num_qk_heads: int, num_v_heads: int, dtype: torch.dtype, pool_dtype: torch.dtype,
+                  gate_dtypes: tuple[torch.dtype, torch.dtype]) -> PrefillStaticConfig:
+    """The static configuration of the packed-inputs kernels (q, k, v read in the engine's conv
+    output, the gates made from a and b with ``A_log`` and ``dt_bias`` of ``gate_dtypes``); beta is
+    made in float32 inside, and q and k are normalised inside."""
+    return PrefillStaticConfig(num_qk_heads, num_v_heads, _TORCH_TO_TL[dtype], "float32", _TORCH_TO_TL[pool_dtype],
+                               True, tuple(_TORCH_TO_TL[d] for d in gate_dtypes))
+
+
 def warmup(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_dtype=None,
-           pool_dtype=torch.float32, use_qk_l2norm: bool = True) -> None:
+           pool_dtype=torch.float32, use_qk_l2norm: bool = True, packed_gate_dtypes=None) -> None:
     """Load (from a precompiled library) or compile one static configuration up front.
 
     Args:
@@ -71,22 +80,29 @@ def warmup(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_dt
         beta_dtype: dtype of beta, torch.float32 or ``dtype`` (default: ``dtype``).
         pool_dtype: state pool dtype, torch.float32 or torch.bfloat16.
         use_qk_l2norm: whether the kernels L2-normalise q and k.
+        packed_gate_dtypes: None for the classic inputs; ``(A_log dtype, dt_bias dtype)`` for the
+            packed-inputs kernels (:func:`chunk_gated_delta_rule_fwd_packed`; beta_dtype and
+            use_qk_l2norm do not apply).
     """
     if num_v_heads % num_qk_heads:
         raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_qk_heads={num_qk_heads}")
-    _kernel_set(_warmup_config(num_qk_heads, num_v_heads, dtype, beta_dtype, pool_dtype, use_qk_l2norm))
+    _kernel_set(_warmup_config(num_qk_heads, num_v_heads, dtype, beta_dtype, pool_dtype, use_qk_l2norm,
+                               packed_gate_dtypes))
 
 
-def _warmup_config(num_qk_heads, num_v_heads, dtype, beta_dtype, pool_dtype, use_qk_l2norm) -> PrefillStaticConfig:
+def _warmup_config(num_qk_heads, num_v_heads, dtype, beta_dtype, pool_dtype, use_qk_l2norm,
+                   packed_gate_dtypes=None) -> PrefillStaticConfig:
+    if packed_gate_dtypes is not None:
+        return packed_config(num_qk_heads, num_v_heads, dtype, pool_dtype, packed_gate_dtypes)
     beta_dtype = dtype if beta_dtype is None else beta_dtype
     return PrefillStaticConfig(num_qk_heads, num_v_heads, _TORCH_TO_TL[dtype], _TORCH_TO_TL[beta_dtype],
                                _TORCH_TO_TL[pool_dtype], bool(use_qk_l2norm))
 
 
 def missing(num_qk_heads: int, num_v_heads: int, *, dtype=torch.bfloat16, beta_dtype=None,
-            pool_dtype=torch.float32, use_qk_l2norm: bool = True) -> list[str]:
+            pool_dtype=torch.float32, use_qk_l2norm: bool = True, packed_gate_dtypes=None) -> list[str]:
     """The kernels :func:`warmup` (same arguments) needs that no precompiled library holds."""
-    cfg = _warmup_config(num_qk_heads, num_v_heads, dtype, beta_dtype, pool_dtype, use_qk_l2norm)
+    cfg = _warmup_config(num_qk_heads, num_v_heads, dtype, beta_dtype, pool_dtype, use_qk_l2norm, packed_gate_dtypes)
     if cfg in _kernels:
         return []
     return [f"{kind} {cfg}" for kind in ("prep", "chunk_fwd") if not library.has(kind, cfg)]
@@ -114,8 +130,45 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale: float, plan, state_po
             ``(j + 1) * plan.checkpoint_every`` tokens.
         out: ``[T, HV, V]`` contiguous, activation dtype; fully written.
     """
-    _launch(q, k, v, g, beta, scale=scale, plan=plan, state_pool=state_pool, state_indices=state_indices,
-            has_initial_state=has_initial_state, use_qk_l2norm=use_qk_l2norm, checkpoints=checkpoints, out=out)
+    assert q.shape[2] == HEAD_DIM and v.shape[2] == HEAD_DIM and k.shape == q.shape and out.shape == v.shape
+    if q.shape[0] == 0 or plan.num_seqs == 0:
+        _launch_empty(plan, state_pool, state_indices, has_initial_state)
+        return
+    cfg = static_config(q, v, beta, state_pool, use_qk_l2norm)
+    _launch(cfg, (q, k, g, beta), (q, k, v), q.shape[0], scale=scale, plan=plan, state_pool=state_pool,
+            state_indices=state_indices, has_initial_state=has_initial_state, checkpoints=checkpoints, out=out)
+
+
+def chunk_gated_delta_rule_fwd_packed(qkv, a, b, A_log, dt_bias, *, num_qk_heads: int, a_stride: int,
+                                      b_stride: int, scale: float, plan, state_pool, state_indices,
+                                      has_initial_state, checkpoints=None, out) -> None:
+    """The same prefill on the engine's own buffers, read in place: no pass splits, normalises or
+    gates them first. No host sync, no per-shape compile.
+
+    Args:
+        qkv: ``[T, (2H + HV) K]`` bf16 or fp16, rows contiguous (the conv output: q's ``H K``
+            columns, then k's, then v's ``HV V``); q and k raw (normalised inside, eps 1e-6).
+        a, b: the gate inputs, token ``t`` value head ``h`` at ``a_stride * t + h`` (``b_stride``
+            for b) from the tensors' first element, qkv's dtype; ``g = -exp(A_log) softplus(a +
+            dt_bias)`` (softplus linear above 20), ``beta = sigmoid(b)``, in float32.
+        A_log, dt_bias: ``[HV]``, float32 or the activation dtype.
+        num_qk_heads: ``H`` (``HV`` is out's).
+        scale, plan, state_pool, state_indices, has_initial_state, checkpoints: as
+            :func:`chunk_gated_delta_rule_fwd`.
+        out: ``[T, HV, V]`` contiguous, qkv's dtype; fully written.
+    """
+    T_, HV = qkv.shape[0], out.shape[1]
+    if T_ == 0 or plan.num_seqs == 0:
+        _launch_empty(plan, state_pool, state_indices, has_initial_state)
+        return
+    H = num_qk_heads
+    cfg = packed_config(H, HV, qkv.dtype, state_pool.dtype, (A_log.dtype, dt_bias.dtype))
+    prep, _ = _kernel_set(cfg)
+    span_device = qkv.device if isinstance(prep, library.LibraryKernel) else None
+    flat = [library.launch_arg(x, ((T_ - 1) * st + HV,), (1,), span_device) for x, st in ((a, a_stride), (b, b_stride))]
+    _launch(cfg, (qkv, *flat, A_log, dt_bias, int(a_stride), int(b_stride)), (qkv, qkv, qkv), T_, scale=scale,
+            plan=plan, state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
+            checkpoints=checkpoints, out=out)
 
 
 _unused_checkpoints: dict[tuple, torch.Tensor] = {}
@@ -131,26 +184,26 @@ def _unused_checkpoint(num_v_heads: int, dtype: torch.dtype, device: torch.devic
     return buf
 
 
-def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_initial_state, use_qk_l2norm,
-            checkpoints, out) -> dict:
-    """Runs the two kernels; returns the workspaces (t_beta, g_cum, qk_rnorm) for stage tests."""
-    T_, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    assert K == HEAD_DIM and V == HEAD_DIM and HV % H == 0 and k.shape == q.shape
-    assert out.shape == v.shape and out.dtype == q.dtype
-    dev = q.device
-    N = plan.num_seqs
-    if T_ == 0 or N == 0:
-        if N:
-            # Only empty sequences: each final state is its initial state, or zeros without one.
-            idx = state_indices.long()
-            state_pool[idx] = torch.where(has_initial_state.view(-1, 1, 1, 1), state_pool[idx], 0).to(state_pool.dtype)
-        return {}
-    cfg = static_config(q, v, beta, state_pool, use_qk_l2norm)
+def _launch_empty(plan, state_pool, state_indices, has_initial_state) -> None:
+    """A batch of no tokens: each final state is its initial state, or zeros without one."""
+    if plan.num_seqs:
+        idx = state_indices.long()
+        state_pool[idx] = torch.where(has_initial_state.view(-1, 1, 1, 1), state_pool[idx], 0).to(state_pool.dtype)
+
+
+def _launch(cfg: PrefillStaticConfig, prep_inputs: tuple, fwd_inputs: tuple, T_: int, *, scale, plan, state_pool,
+            state_indices, has_initial_state, checkpoints, out) -> dict:
+    """Runs the two kernels of ``cfg`` on a batch of ``T_ > 0`` tokens: ``prep`` gets
+    ``prep_inputs`` before the plan's tables and workspaces, ``chunk_fwd`` gets ``fwd_inputs``
+    (its q, k, v) before them. Returns the workspaces (t_beta, g_cum, qk_rnorm) for stage tests."""
+    H, HV = cfg.num_qk_heads, cfg.num_v_heads
+    assert HV % H == 0 and out.shape == (T_, HV, HEAD_DIM) and _TORCH_TO_TL[out.dtype] == cfg.dtype
+    dt = out.dtype
+    dev = out.device
     prep, fwd = _kernel_set(cfg)
     # Workspaces: the caching allocator serves these without a sync and inside graph capture.
     NC = plan.num_chunks
-    t_beta = torch.empty(NC, HV, CHUNK, CHUNK, dtype=q.dtype, device=dev)
+    t_beta = torch.empty(NC, HV, CHUNK, CHUNK, dtype=dt, device=dev)
     g_cum = torch.empty(NC, HV, CHUNK, dtype=torch.float32, device=dev)
     qk_rnorm = torch.empty(NC, H, 2, CHUNK, dtype=torch.float32, device=dev)
     every = plan.checkpoint_every or 0
@@ -175,8 +228,8 @@ def _launch(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_ini
     # (the kernel takes the flags as uint8: a view of another dtype, which as_strided cannot give)
     has_initial = (library.Span(has_initial_state.data_ptr(), tuple(has_initial_state.shape), dev)
                    if span_device is not None else has_initial_state.view(torch.uint8))
-    prep(q, k, g, beta, plan.chunk_bounds, t_beta, g_cum, qk_rnorm)
-    fwd(q, k, v, t_beta, g_cum, qk_rnorm, cu, plan.chunk_offsets, items, plan.checkpoint_offsets,
+    prep(*prep_inputs, plan.chunk_bounds, t_beta, g_cum, qk_rnorm)
+    fwd(*fwd_inputs, t_beta, g_cum, qk_rnorm, cu, plan.chunk_offsets, items, plan.checkpoint_offsets,
         has_initial, h0_slots, h0_pool, h0_stride, state_indices, flat_pool,
         state_pool.stride(0), every_chunks, ckpt, float(LOG_DECAY_THRESHOLD), float(scale), out)
     return dict(t_beta=t_beta, g_cum=g_cum, qk_rnorm=qk_rnorm)

@@ -8,6 +8,7 @@ A user of ``fla.ops.gated_delta_rule`` switches by changing the import::
 from .ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_pool,
+    chunk_gated_delta_rule_pool_packed,
     gated_delta_rule_decode,
 )
 from .plan import PrefillPlan, plan_prefill
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_pool",
+    "chunk_gated_delta_rule_pool_packed",
     "gated_delta_rule_decode",
     "plan_prefill",
     "PrefillPlan",

@@ -449,3 +449,53 @@ def test_prefill_entry_hands_library_kernels_spans_with_the_views_arguments(monk
     run((lambda *a: prep(*a), lambda *a: fwd(*a)))  # not LibraryKernels: the entry builds views
     assert c_args() == spans
     assert pool.data_ptr() in spans[1] and has_initial.data_ptr() in spans[1]
+
+
+def test_packed_prefill_entry_hands_library_kernels_spans_with_the_views_arguments(monkeypatch):
+    """The packed-inputs entry: the conv output as one ``[T, (2H + HV) K]`` buffer to both kernels
+    (chunk_fwd's q, k and v), a and b as flat spans from their first element with their token
+    strides; the same C arguments as the TileLang views, workspaces aside."""
+    from qla_serving.plan import plan_prefill
+
+    monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
+    H, HV, K, lens = 2, 8, 128, [700, 3, 129]
+    T = sum(lens)
+    plan = plan_prefill([0, 700, 703, 832], device="cpu", num_v_heads=HV, sm_count=132)
+    qkv = torch.randn(T, (2 * H + HV) * K, dtype=torch.bfloat16)
+    ab = torch.randn(T, 2 * HV, dtype=torch.bfloat16)
+    a, b = ab[:, :HV], ab[:, HV:]
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV, dtype=torch.bfloat16)
+    out = torch.empty(T, HV, K, dtype=torch.bfloat16)
+    pool = torch.zeros(5, HV, K, K)
+    slots, has_initial = torch.tensor([4, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
+    seen = {}
+
+    def probe(name):
+        def call(*args):
+            seen[name] = args
+        return call
+
+    def run(kernels):
+        monkeypatch.setattr(chunk_prefill, "_kernel_set", lambda cfg: kernels)
+        chunk_prefill.chunk_gated_delta_rule_fwd_packed(
+            qkv, a, b, A_log, dt_bias, num_qk_heads=H, a_stride=2 * HV, b_stride=2 * HV, scale=K**-0.5, plan=plan,
+            state_pool=pool, state_indices=slots, has_initial_state=has_initial, out=out)
+
+    run((probe("prep"), probe("fwd")))
+    assert seen["prep"][0] is qkv and seen["fwd"][:3] == (qkv, qkv, qkv)
+    assert seen["prep"][1].shape == ((T - 1) * 2 * HV + HV,) and seen["prep"][5:7] == (2 * HV, 2 * HV)
+    lib = _RecordingLib()
+    prep, fwd = (_recorded_kernel(lib, name, seen[name]) for name in ("prep", "fwd"))
+    fresh = {"prep": (8, 9, 10), "fwd": (3, 4, 5)}  # the workspaces: allocated per call
+
+    def c_args():
+        (p_args, f_args) = lib.calls[-2:]
+        del lib.calls[:]
+        return tuple([x for i, x in enumerate(c) if i not in fresh[name]] for name, c in (("prep", p_args), ("fwd", f_args)))
+
+    run((prep, fwd))
+    spans = c_args()
+    run((lambda *x: prep(*x), lambda *x: fwd(*x)))
+    assert c_args() == spans
+    assert spans[0][:3] == [qkv.data_ptr(), a.data_ptr(), b.data_ptr()] and spans[1][:3] == [qkv.data_ptr()] * 3

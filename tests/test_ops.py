@@ -322,3 +322,59 @@ def test_token_stride_is_what_the_decode_kernel_reads_in_place():
     ab = torch.empty(N * T, 2 * HV)
     assert token_stride(ab[:, HV:].view(N, T, HV), (HV,)) == 2 * HV
     assert token_stride(torch.empty(T, N, HV).transpose(0, 1), (HV,)) is None  # tokens not one stride apart
+
+
+@pytest.mark.parametrize("wide_rows", [False, True], ids=["conv-output", "wider-rows"])
+def test_pool_prefill_packed_inputs_match_oracle(wide_rows):
+    """The packed form takes the engine's conv output ``[T, (2H + HV) K]`` and its raw gate inputs
+    (a and b the two halves of one projection): against the float64 oracle on the same values,
+    and the same result as the classic form given them split and gated (its CPU path is that)."""
+    from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref
+
+    lengths = [65, 1, 130]
+    H, HV, K = 2, 4, 128
+    T, D = sum(lengths), (2 * H + HV) * K
+    backing = torch.randn(T, D + (HV * K if wide_rows else 0))  # wider: a z part after v, as vLLM's qkvz
+    qkv = backing[:, :D]
+    ab = torch.randn(T, 2 * HV)
+    a, b = ab[:, :HV], ab[:, HV:]
+    A_log, dt_bias = torch.empty(HV).uniform_(0.0, 1.5), torch.empty(HV).uniform_(-3.0, 0.0)
+    pool = torch.randn(7, HV, K, K)
+    before = pool.clone()
+    slots = torch.tensor([5, 0, 3], dtype=torch.int32)
+    has_init = torch.tensor([True, False, True])
+    o = qla_serving.chunk_gated_delta_rule_pool_packed(qkv, a, b, A_log, dt_bias, pool, slots, num_qk_heads=H,
+                                                       cu_seqlens=cu_of(lengths), has_initial_state=has_init)
+    q, k, v = (x.reshape(T, -1, K) for x in qkv.split([H * K, H * K, HV * K], dim=-1))
+    g64, beta64 = gdn_gate_ref(a, b, A_log, dt_bias)
+    init = torch.where(has_init.view(-1, 1, 1, 1), before[slots.long()].double(), 0.0)
+    o_r, s_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g64, beta64, initial_state=init, cu_seqlens=cu_of(lengths),
+                                                 use_qk_l2norm=True)
+    assert o.shape == (T, HV, K) and rel_err(o, o_r) <= TOL and rel_err(pool[slots.long()], s_r) <= TOL
+    untouched = torch.ones(7, dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert torch.equal(pool[untouched], before[untouched])
+    classic_pool = before.clone()
+    g, beta = gdn_gate_ref(a, b, A_log, dt_bias, dtype=torch.float32)
+    o_c = qla_serving.chunk_gated_delta_rule_pool(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, classic_pool,
+                                                  slots, cu_seqlens=cu_of(lengths), has_initial_state=has_init,
+                                                  use_qk_l2norm_in_kernel=True)
+    assert torch.equal(o, o_c) and torch.equal(pool, classic_pool)
+
+
+def test_pool_prefill_packed_inputs_name_the_constraint():
+    H, HV, K, T = 2, 4, 128, 5
+    qkv = torch.randn(T, (2 * H + HV) * K, dtype=torch.bfloat16)
+    a = b = torch.randn(T, HV, dtype=torch.bfloat16)
+    A_log, dt_bias = torch.zeros(HV), torch.zeros(HV)
+    pool, slots = torch.zeros(2, HV, K, K), torch.tensor([1], dtype=torch.int32)
+    call = dict(num_qk_heads=H, cu_seqlens=cu_of([T]))
+    with pytest.raises(ValueError, match=r"\(2 \* 2 \+ 4\) \* 128 = 1024"):
+        qla_serving.chunk_gated_delta_rule_pool_packed(qkv[:, :-128], a, b, A_log, dt_bias, pool, slots, **call)
+    with pytest.raises(TypeError, match="a has dtype torch.float32; it must match qkv's torch.bfloat16"):
+        qla_serving.chunk_gated_delta_rule_pool_packed(qkv, a.float(), b, A_log, dt_bias, pool, slots, **call)
+    with pytest.raises(ValueError, match="b"):
+        qla_serving.chunk_gated_delta_rule_pool_packed(qkv, a, b[:, :2], A_log, dt_bias, pool, slots, **call)
+    with pytest.raises(ValueError, match="multiple"):
+        qla_serving.chunk_gated_delta_rule_pool_packed(qkv[:, :(6 + 4) * K], a, b, A_log, dt_bias, pool, slots,
+                                                       num_qk_heads=3, cu_seqlens=cu_of([T]))

@@ -171,15 +171,16 @@ def test_stages_match_chunk_reference():
     """The prep kernel's workspaces vs the chunk reference's intermediates: tells which kernel
     is wrong. ``T diag(beta)`` is checked through what it produces: ``w = T diag(beta) exp(G) k``
     and ``u = T diag(beta) v``."""
-    from qla_serving.kernels.chunk_prefill import _launch
+    from qla_serving.kernels.chunk_prefill import _launch, static_config
 
     lens = [65, 130, 7]
     case = _make_case(lens, 2, 8, beta_dtype=torch.bfloat16)
     pool_before = case["pool"].clone()
     out = torch.full_like(case["v"], float("nan"))
-    ws = _launch(case["q"], case["k"], case["v"], case["g"], case["beta"], scale=K**-0.5, plan=case["plan"],
-                 state_pool=case["pool"], state_indices=case["state_indices"], has_initial_state=case["has_init"],
-                 use_qk_l2norm=True, checkpoints=None, out=out)
+    q, k, v = case["q"], case["k"], case["v"]
+    ws = _launch(static_config(q, v, case["beta"], case["pool"], True), (q, k, case["g"], case["beta"]), (q, k, v),
+                 q.shape[0], scale=K**-0.5, plan=case["plan"], state_pool=case["pool"],
+                 state_indices=case["state_indices"], has_initial_state=case["has_init"], checkpoints=None, out=out)
     h0 = pool_before[case["state_indices"].long()].float() * case["has_init"].float()[:, None, None, None]
     *_, inter = chunk_gated_delta_rule_ref(
         case["q"], case["k"], case["v"], case["g"], case["beta"], initial_state=h0, cu_seqlens=case["cu"],
@@ -322,3 +323,83 @@ def test_context_parallel_matches_non_cp(lens, kind):
         assert errs[name][0] < TOL and errs[name][1] < TOL and errs[name][2] < TOL, (name, errs[name])
     for i, what in enumerate(("o", "final state", "checkpoints")):
         assert errs["cp"][i] <= 1.1 * errs["nocp"][i] + 1e-6, (what, errs)
+
+
+def _packed_case(lens, H, HV, *, dtype=torch.bfloat16, pool_dtype=torch.float32, bias_dtype=torch.bfloat16):
+    """The engines' own buffers: one conv output ``[T, (2H + HV) K]`` holding q, k and v, and the
+    gate inputs a and b as the two halves of one projection (a token stride of 2 HV)."""
+    case = _make_case(lens, H, HV, dtype=dtype, pool_dtype=pool_dtype)
+    T = sum(lens)
+    dev = "cuda"
+    qkv = torch.randn(T, (2 * H + HV) * K, device=dev).to(dtype)
+    ab = torch.randn(T, 2 * HV, device=dev).to(dtype)
+    a, b = ab[:, :HV], ab[:, HV:]
+    A_log = torch.empty(HV, device=dev).uniform_(0.0, 1.5)
+    dt_bias = torch.empty(HV, device=dev).uniform_(-3.0, 0.0).to(bias_dtype)
+    q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
+    g, beta = gdn_gate_ref(a, b, A_log, dt_bias, dtype=torch.float32)
+    case.update(q=q.reshape(T, H, K), k=k.reshape(T, H, K), v=v.reshape(T, HV, V), g=g, beta=beta, l2=True,
+                qkv=qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    return case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,H,HV", [([1, 63, 64, 65, 130, 1], 2, 8), ([700, 3, 129], 4, 16), ([1500], 16, 32)])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_packed_inputs_match_oracle_and_the_classic_kernels(lens, H, HV, pool_dtype):
+    """The packed-inputs kernels (q, k, v read in the conv output, the gates made from a and b in
+    prep) against the float64 oracle on the same values, and against the classic kernels given
+    the same values split, contiguous, and gated by the float32 reference: the same result up to
+    the gates' rounding."""
+    from qla_serving import chunk_gated_delta_rule_pool_packed
+    from qla_serving.kernels.chunk_prefill import compile_count
+
+    case = _packed_case(lens, H, HV, pool_dtype=pool_dtype)
+    pool_before = case["pool"].clone()
+    out = torch.full_like(case["v"], float("nan"))
+    compiled = compile_count()
+    o = chunk_gated_delta_rule_pool_packed(
+        case["qkv"], case["a"], case["b"], case["A_log"], case["dt_bias"], case["pool"], case["state_indices"],
+        num_qk_heads=H, plan=case["plan"], has_initial_state=case["has_init"], out=out)
+    assert o.data_ptr() == out.data_ptr()
+    _check_against_oracle(case, out, pool_before)
+    packed_pool = case["pool"].clone()
+    case["pool"].copy_(pool_before)
+    classic = _run({**case, "q": case["q"].contiguous(), "k": case["k"].contiguous(), "v": case["v"].contiguous()})
+    assert rel_err(out, classic) < TOL / 4, rel_err(out, classic)
+    idx = case["state_indices"].long()
+    assert rel_err(packed_pool[idx], case["pool"][idx]) < TOL / 4
+    assert compile_count() - compiled <= 2  # the packed set (library or TileLang) and the classic one
+
+
+@pytest.mark.gpu
+def test_packed_inputs_in_a_cuda_graph_with_autocp():
+    """The packed kernels captured in a CUDA graph over an AutoCP plan (a long sequence split into
+    segments), replayed on new values in the same buffers: the replay equals an eager call."""
+    from qla_serving import chunk_gated_delta_rule_pool_packed
+
+    H, HV = 2, 8
+    case = _packed_case([9000, 300], H, HV)
+    case["plan"] = plan_prefill(case["cu"], device="cuda", num_v_heads=HV, cp_segment_tokens=1024)
+    assert case["plan"].context_parallel is not None
+    out = torch.empty_like(case["v"])
+    pool_before = case["pool"].clone()
+
+    def call():
+        chunk_gated_delta_rule_pool_packed(
+            case["qkv"], case["a"], case["b"], case["A_log"], case["dt_bias"], case["pool"], case["state_indices"],
+            num_qk_heads=H, plan=case["plan"], has_initial_state=case["has_init"], out=out)
+
+    call()  # loads (or compiles) the kernels before capture
+    case["pool"].copy_(pool_before)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    case["qkv"].copy_(torch.randn_like(case["qkv"], dtype=torch.float32).to(case["qkv"].dtype))
+    case["pool"].copy_(pool_before)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed, replayed_pool = out.clone(), case["pool"].clone()
+    case["pool"].copy_(pool_before)
+    call()
+    assert torch.equal(replayed, out) and torch.equal(replayed_pool, case["pool"])

@@ -11,7 +11,8 @@ import torch
 from ... import backend
 from ...plan import PrefillPlan, plan_prefill
 from . import checks
-from .naive import CHUNK_SIZE, chunk_gated_delta_rule_ref
+from ...constants import HEAD_DIM
+from .naive import CHUNK_SIZE, chunk_gated_delta_rule_ref, gdn_gate_ref
 
 
 def _plan_for(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu, T: int, device, checkpoint_every,
@@ -158,22 +159,35 @@ def chunk_gated_delta_rule_pool(
     beta = _flatten_batch("beta", beta, 2, "[1, T, HV] or [T, HV]")
     T = q.shape[0]
     H, HV, K, V = _check_prefill_inputs(q, k, v, g, beta, T)
+    plan, has_initial_state, out = _check_pool_call(
+        T, HV, V, K, q.dtype, q.device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu, has_initial_state,
+        plan, checkpoints, checkpoint_every, out)
+    _run_prefill(q, k, v, g, beta, scale=K**-0.5 if scale is None else scale, plan=plan,
+                 state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
+                 use_qk_l2norm=use_qk_l2norm_in_kernel, checkpoints=checkpoints, out=out)
+    return out.unsqueeze(0) if batched else out
+
+
+def _check_pool_call(T, HV, V, K, dtype, device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu,
+                     has_initial_state, plan, checkpoints, checkpoint_every, out):
+    """The pool forms' common arguments checked (and the plan built when none is given); returns
+    ``(plan, has_initial_state, out)`` with the defaults filled in."""
     checks.expect_pool("state_pool", state_pool, HV, V, K)
-    checks.expect_same_device(q.device, state_pool=state_pool, state_indices=state_indices,
+    checks.expect_same_device(device, state_pool=state_pool, state_indices=state_indices,
                               cu_seqlens=cu_seqlens, has_initial_state=has_initial_state,
                               checkpoints=checkpoints, out=out)
     if plan is None:
         if cu_seqlens is None and cu_seqlens_cpu is None:
             raise ValueError("give plan, cu_seqlens or cu_seqlens_cpu: the pool form is varlen")
-        plan = _plan_for(cu_seqlens, cu_seqlens_cpu, T, q.device, checkpoint_every, HV)
+        plan = _plan_for(cu_seqlens, cu_seqlens_cpu, T, device, checkpoint_every, HV)
     elif checkpoint_every is not None and checkpoint_every != plan.checkpoint_every:
         raise ValueError(f"checkpoint_every={checkpoint_every} disagrees with the plan's {plan.checkpoint_every}")
     if plan.total_tokens != T:
-        raise ValueError(f"the plan covers {plan.total_tokens} tokens but q has {T}")
+        raise ValueError(f"the plan covers {plan.total_tokens} tokens but the inputs have {T}")
     N = plan.num_seqs
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=False)
     if has_initial_state is None:
-        has_initial_state = _all_initial(plan, q.device)
+        has_initial_state = _all_initial(plan, device)
     checks.expect_shape("has_initial_state", has_initial_state, (N,), "[N] bool")
     checks.expect_dtype("has_initial_state", has_initial_state, (torch.bool,))
     if checkpoints is not None:
@@ -185,16 +199,114 @@ def chunk_gated_delta_rule_pool(
             raise TypeError(f"checkpoints has dtype {checkpoints.dtype}; it must match the pool's {state_pool.dtype}")
         checks.expect_contiguous("checkpoints", checkpoints)
     if out is None:
-        out = torch.empty(T, HV, V, dtype=q.dtype, device=q.device)
+        out = torch.empty(T, HV, V, dtype=dtype, device=device)
     else:
         checks.expect_shape("out", out, (T, HV, V), "[T, HV, V]")
-        if out.dtype != q.dtype:
-            raise TypeError(f"out has dtype {out.dtype}; it must match q's {q.dtype}")
+        if out.dtype != dtype:
+            raise TypeError(f"out has dtype {out.dtype}; it must match the activations' {dtype}")
         checks.expect_contiguous("out", out)
-    _run_prefill(q, k, v, g, beta, scale=K**-0.5 if scale is None else scale, plan=plan,
+    return plan, has_initial_state, out
+
+
+_packed_module = None
+
+
+def _prefill_packed_kernels():
+    """The packed-inputs entry of the TileLang chunked prefill (imported on first use)."""
+    global _packed_module
+    if _packed_module is None:
+        from ...kernels import chunk_prefill
+
+        _packed_module = chunk_prefill
+    return _packed_module.chunk_gated_delta_rule_fwd_packed
+
+
+def _gate_input(name: str, x: torch.Tensor, T: int, HV: int) -> tuple[torch.Tensor, int]:
+    """A gate input ``[T, HV]`` and its token stride: read in place when ``HV`` is contiguous per
+    token (a column range of the engine's gate projection qualifies), else a contiguous copy."""
+    checks.expect_shape(name, x, (T, HV), "[T, HV]")
+    if HV > 1 and x.stride(1) != 1 or T > 1 and x.stride(0) < HV:
+        x = x.contiguous()
+    return x, (x.stride(0) if T > 1 else HV)
+
+
+def chunk_gated_delta_rule_pool_packed(
+    qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_qk_heads: int,
+    cu_seqlens: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    plan: PrefillPlan | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    checkpoints: torch.Tensor | None = None,
+    checkpoint_every: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`chunk_gated_delta_rule_pool` on the engine's own buffers: the conv output holding q,
+    k and v, and the raw gate inputs. The kernels read them in place and make the gates and the
+    q/k L2 norm themselves, so that no pass splits, normalises and gates them first.
+
+    Args:
+        qkv: ``[T, (2 H + HV) K]`` bf16/fp16 (fp32 runs the reference) — the GDN layer's conv
+            output: q's ``H K`` columns, then k's ``H K``, then v's ``HV V``, K = V = 128; q and
+            k raw (L2-normalised inside, eps 1e-6). Read in place when its rows are contiguous
+            and it starts 16-byte aligned; copied otherwise.
+        a: ``[T, HV]``, qkv's dtype — decay input: ``g = -exp(A_log) * softplus(a + dt_bias)``
+            (softplus linear above 20), float32. Read in place when ``HV`` is contiguous per
+            token (any token stride, e.g. a column range of the gate projection).
+        b: ``[T, HV]``, qkv's dtype — write-strength input: ``beta = sigmoid(b)``; a's layout rule.
+        A_log: ``[HV]`` float32 or qkv's dtype — per-head log decay rate.
+        dt_bias: ``[HV]`` float32 or qkv's dtype — per-head bias of ``a``.
+        state_pool, state_indices, cu_seqlens, has_initial_state, scale, plan, cu_seqlens_cpu,
+            checkpoints, checkpoint_every: as :func:`chunk_gated_delta_rule_pool`.
+        num_qk_heads: ``H``; ``HV`` is ``A_log``'s length, a multiple of ``H``.
+        out: optional ``[T, HV, V]`` output buffer in qkv's dtype, contiguous.
+
+    Returns:
+        ``o``: ``[T, HV, V]``, qkv's dtype.
+    """
+    checks.expect_rank("qkv", qkv, (2,), "[T, (2H + HV) K]")
+    checks.expect_rank("A_log", A_log, (1,), "[HV]")
+    T, H, HV = qkv.shape[0], num_qk_heads, A_log.shape[0]
+    checks.expect_heads(H, HV)
+    K = V = HEAD_DIM
+    if qkv.shape[1] != (2 * H + HV) * K:
+        raise ValueError(f"qkv has {qkv.shape[1]} columns; {H} q/k and {HV} value heads of {K} make "
+                         f"(2 * {H} + {HV}) * {K} = {(2 * H + HV) * K}")
+    checks.expect_dtype("qkv", qkv, checks.ACTIVATION_DTYPES)
+    checks.expect_shape("dt_bias", dt_bias, (HV,), "[HV]")
+    for name, x in (("a", a), ("b", b)):
+        if x.dtype != qkv.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}; it must match qkv's {qkv.dtype}")
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        checks.expect_dtype(name, x, (torch.float32, qkv.dtype))
+    checks.expect_same_device(qkv.device, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    a, a_stride = _gate_input("a", a, T, HV)
+    b, b_stride = _gate_input("b", b, T, HV)
+    if qkv.stride(-1) != 1 or T > 1 and qkv.stride(0) != qkv.shape[1] or qkv.data_ptr() % 16:
+        qkv = qkv.contiguous()
+    plan, has_initial_state, out = _check_pool_call(
+        T, HV, V, K, qkv.dtype, qkv.device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu, has_initial_state,
+        plan, checkpoints, checkpoint_every, out)
+    scale = K**-0.5 if scale is None else scale
+    fwd = backend.kernel_entry("prefill", _prefill_packed_kernels, qkv.device, K, V, qkv.dtype)
+    if fwd is not None:
+        fwd(qkv, a, b, A_log, dt_bias, num_qk_heads=H, a_stride=a_stride, b_stride=b_stride, scale=scale, plan=plan,
+            state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
+            checkpoints=checkpoints, out=out)
+        return out
+    q, k, v = (x.contiguous() for x in qkv.split([H * K, H * K, HV * V], dim=-1))
+    g, beta = gdn_gate_ref(a, b, A_log, dt_bias, dtype=torch.float32)
+    _run_prefill(q.view(T, H, K), k.view(T, H, K), v.view(T, HV, V), g, beta, scale=scale, plan=plan,
                  state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
-                 use_qk_l2norm=use_qk_l2norm_in_kernel, checkpoints=checkpoints, out=out)
-    return out.unsqueeze(0) if batched else out
+                 use_qk_l2norm=True, checkpoints=checkpoints, out=out)
+    return out
 
 
 def chunk_gated_delta_rule(
