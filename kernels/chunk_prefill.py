@@ -135,7 +135,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale: float, plan, state_po
         _launch_empty(plan, state_pool, state_indices, has_initial_state)
         return
     cfg = static_config(q, v, beta, state_pool, use_qk_l2norm)
-    _launch(cfg, (q, k, g, beta), (q, k, v), q.shape[0], scale=scale, plan=plan, state_pool=state_pool,
+    _launch(cfg, _kernel_set(cfg), (q, k, g, beta), (q, k, v), q.shape[0], scale=scale, plan=plan, state_pool=state_pool,
             state_indices=state_indices, has_initial_state=has_initial_state, checkpoints=checkpoints, out=out)
 
 
@@ -163,10 +163,10 @@ def chunk_gated_delta_rule_fwd_packed(qkv, a, b, A_log, dt_bias, *, num_qk_heads
         return
     H = num_qk_heads
     cfg = packed_config(H, HV, qkv.dtype, state_pool.dtype, (A_log.dtype, dt_bias.dtype))
-    prep, _ = _kernel_set(cfg)
-    span_device = qkv.device if isinstance(prep, library.LibraryKernel) else None
+    kernels = _kernel_set(cfg)
+    span_device = qkv.device if isinstance(kernels[0], library.LibraryKernel) else None
     flat = [library.launch_arg(x, ((T_ - 1) * st + HV,), (1,), span_device) for x, st in ((a, a_stride), (b, b_stride))]
-    _launch(cfg, (qkv, *flat, A_log, dt_bias, int(a_stride), int(b_stride)), (qkv, qkv, qkv), T_, scale=scale,
+    _launch(cfg, kernels, (qkv, *flat, A_log, dt_bias, int(a_stride), int(b_stride)), (qkv, qkv, qkv), T_, scale=scale,
             plan=plan, state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
             checkpoints=checkpoints, out=out)
 
@@ -191,16 +191,16 @@ def _launch_empty(plan, state_pool, state_indices, has_initial_state) -> None:
         state_pool[idx] = torch.where(has_initial_state.view(-1, 1, 1, 1), state_pool[idx], 0).to(state_pool.dtype)
 
 
-def _launch(cfg: PrefillStaticConfig, prep_inputs: tuple, fwd_inputs: tuple, T_: int, *, scale, plan, state_pool,
-            state_indices, has_initial_state, checkpoints, out) -> dict:
-    """Runs the two kernels of ``cfg`` on a batch of ``T_ > 0`` tokens: ``prep`` gets
-    ``prep_inputs`` before the plan's tables and workspaces, ``chunk_fwd`` gets ``fwd_inputs``
+def _launch(cfg: PrefillStaticConfig, kernels, prep_inputs: tuple, fwd_inputs: tuple, T_: int, *, scale, plan,
+            state_pool, state_indices, has_initial_state, checkpoints, out) -> dict:
+    """Runs ``kernels`` (``cfg``'s prep and chunk_fwd) on a batch of ``T_ > 0`` tokens: ``prep``
+    gets ``prep_inputs`` before the plan's tables and workspaces, ``chunk_fwd`` gets ``fwd_inputs``
     (its q, k, v) before them. Returns the workspaces (t_beta, g_cum, qk_rnorm) for stage tests."""
     H, HV = cfg.num_qk_heads, cfg.num_v_heads
     assert HV % H == 0 and out.shape == (T_, HV, HEAD_DIM) and _TORCH_TO_TL[out.dtype] == cfg.dtype
     dt = out.dtype
     dev = out.device
-    prep, fwd = _kernel_set(cfg)
+    prep, fwd = kernels
     # Workspaces: the caching allocator serves these without a sync and inside graph capture.
     NC = plan.num_chunks
     t_beta = torch.empty(NC, HV, CHUNK, CHUNK, dtype=dt, device=dev)

@@ -28,6 +28,14 @@ def strict_mode() -> bool:
     return os.environ.get("QLA_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def packed_prefill() -> bool:
+    """Whether the engine adapters hand the prefill the engine's conv output and raw gate inputs
+    (:func:`~qla_serving.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_pool_packed`) instead of
+    the engine's split, normalised and gated q, k, v, g, beta (``QLA_PREFILL_PACKED=1``; off until
+    its kernels have passed the GPU suite and a serving run, docs/e2e.md)."""
+    return os.environ.get("QLA_PREFILL_PACKED", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 @functools.lru_cache(maxsize=None)
 def device_unsupported_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run on ``device`` at all, or None when they can."""

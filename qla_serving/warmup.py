@@ -46,6 +46,9 @@ class WarmupConfig:
         prefill_qk_l2norm: whether prefill normalises q and k itself (False where the engine
             has already normalised them).
         verify_tokens: tokens per sequence in speculative verify (None or <= 1: no verify).
+        prefill_packed: whether prefill takes the engine's conv output and raw gate inputs (the
+            packed-inputs kernels, with ``gate_dtype``/``bias_dtype``; the two prefill_ fields
+            above do not apply).
     """
 
     num_qk_heads: int
@@ -59,6 +62,7 @@ class WarmupConfig:
     prefill_beta_dtype: torch.dtype = torch.float32
     prefill_qk_l2norm: bool = True
     verify_tokens: int | None = None
+    prefill_packed: bool = False
 
 
 def kernel_warmup_specs(cfg: WarmupConfig) -> list[tuple[str, str, str, dict]]:
@@ -67,7 +71,8 @@ def kernel_warmup_specs(cfg: WarmupConfig) -> list[tuple[str, str, str, dict]]:
     if "prefill" in cfg.phases:
         specs.append(("prefill", "qla_serving.kernels.chunk_prefill", "warmup", dict(
             num_qk_heads=cfg.num_qk_heads, num_v_heads=cfg.num_v_heads, dtype=cfg.dtype,
-            beta_dtype=cfg.prefill_beta_dtype, pool_dtype=cfg.pool_dtype, use_qk_l2norm=cfg.prefill_qk_l2norm)))
+            beta_dtype=cfg.prefill_beta_dtype, pool_dtype=cfg.pool_dtype, use_qk_l2norm=cfg.prefill_qk_l2norm,
+            packed_gate_dtypes=(cfg.gate_dtype, cfg.bias_dtype or cfg.gate_dtype) if cfg.prefill_packed else None)))
     common = dict(H=cfg.num_qk_heads, HV=cfg.num_v_heads, dtype=cfg.dtype, pool_dtype=cfg.pool_dtype,
                   gate_dtype=cfg.gate_dtype, bias_dtype=cfg.bias_dtype or cfg.gate_dtype,
                   index_dtype=cfg.index_dtype, use_qk_l2norm=True)
@@ -189,7 +194,11 @@ def device_call_steps(cfg: WarmupConfig, device: torch.device | str, *, A_log: t
         A_log, dt_bias: the layer's gate parameters for the decode call (None: constants of
             ``cfg.gate_dtype`` / ``cfg.bias_dtype``).
     """
-    from .ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
+    from .ops.gated_delta_rule import (
+        chunk_gated_delta_rule_pool,
+        chunk_gated_delta_rule_pool_packed,
+        gated_delta_rule_decode,
+    )
     from .plan import _sm_count, plan_prefill
 
     dev = torch.device(device)
@@ -205,7 +214,19 @@ def device_call_steps(cfg: WarmupConfig, device: torch.device | str, *, A_log: t
     def slot():
         return torch.zeros(1, dtype=torch.int32, device=dev)
 
-    if "prefill" in cfg.phases:
+    gate = A_log if A_log is not None else torch.full((HV,), -1.0, dtype=cfg.gate_dtype, device=dev)
+    bias = dt_bias if dt_bias is not None else torch.zeros(HV, dtype=cfg.bias_dtype or cfg.gate_dtype, device=dev)
+
+    if "prefill" in cfg.phases and cfg.prefill_packed:
+        def packed_prefill_call():
+            T = long_prefill_tokens(HV, _sm_count(dev))
+            chunk_gated_delta_rule_pool_packed(
+                unit(T, (2 * H + HV) * K), unit(T, HV), unit(T, HV), gate, bias, pool(), slot(), num_qk_heads=H,
+                has_initial_state=torch.zeros(1, dtype=torch.bool, device=dev), scale=K**-0.5,
+                plan=plan_prefill([0, T], device=dev, num_v_heads=HV))
+
+        steps.append(("long prefill call", packed_prefill_call))
+    elif "prefill" in cfg.phases:
         def prefill_call():
             T = long_prefill_tokens(HV, _sm_count(dev))
             chunk_gated_delta_rule_pool(
@@ -216,9 +237,6 @@ def device_call_steps(cfg: WarmupConfig, device: torch.device | str, *, A_log: t
                 plan=plan_prefill([0, T], device=dev, num_v_heads=HV))
 
         steps.append(("long prefill call", prefill_call))
-
-    gate = A_log if A_log is not None else torch.full((HV,), -1.0, dtype=cfg.gate_dtype, device=dev)
-    bias = dt_bias if dt_bias is not None else torch.zeros(HV, dtype=cfg.bias_dtype or cfg.gate_dtype, device=dev)
 
     def decode_call(T: int):
         shape = (1, T) if T > 1 else (1,)

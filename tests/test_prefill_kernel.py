@@ -171,15 +171,15 @@ def test_stages_match_chunk_reference():
     """The prep kernel's workspaces vs the chunk reference's intermediates: tells which kernel
     is wrong. ``T diag(beta)`` is checked through what it produces: ``w = T diag(beta) exp(G) k``
     and ``u = T diag(beta) v``."""
-    from qla_serving.kernels.chunk_prefill import _launch, static_config
+    from qla_serving.kernels.chunk_prefill import _kernel_set, _launch, static_config
 
     lens = [65, 130, 7]
     case = _make_case(lens, 2, 8, beta_dtype=torch.bfloat16)
     pool_before = case["pool"].clone()
     out = torch.full_like(case["v"], float("nan"))
     q, k, v = case["q"], case["k"], case["v"]
-    ws = _launch(static_config(q, v, case["beta"], case["pool"], True), (q, k, case["g"], case["beta"]), (q, k, v),
-                 q.shape[0], scale=K**-0.5, plan=case["plan"], state_pool=case["pool"],
+    cfg = static_config(q, v, case["beta"], case["pool"], True)
+    ws = _launch(cfg, _kernel_set(cfg), (q, k, case["g"], case["beta"]), (q, k, v), q.shape[0], scale=K**-0.5, plan=case["plan"], state_pool=case["pool"],
                  state_indices=case["state_indices"], has_initial_state=case["has_init"], checkpoints=None, out=out)
     h0 = pool_before[case["state_indices"].long()].float() * case["has_init"].float()[:, None, None, None]
     *_, inter = chunk_gated_delta_rule_ref(

@@ -28,6 +28,21 @@ def test_specs_follow_the_phases_and_the_kernel_warmup_signatures():
     assert specs[2][3]["intermediate_states"] and not specs[2][3]["inplace_final_state"]
     assert [s[0] for s in warmup.kernel_warmup_specs(_cfg(phases=frozenset({"decode"}), verify_tokens=4))] == ["decode"]
     assert [s[0] for s in warmup.kernel_warmup_specs(_cfg(verify_tokens=1))] == ["prefill", "decode"]
+    assert specs[0][3]["packed_gate_dtypes"] is None
+
+
+def test_packed_prefill_warms_the_packed_kernels(monkeypatch):
+    """With the packed prefill the warm-up loads the packed-inputs kernels, keyed on the layer's
+    A_log and dt_bias dtypes (a different set would compile on the first request)."""
+    from qla_serving.kernels import chunk_prefill
+
+    spec = warmup.kernel_warmup_specs(_cfg(prefill_packed=True, bias_dtype=torch.bfloat16))[0]
+    assert spec[3]["packed_gate_dtypes"] == (torch.float32, torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(chunk_prefill, "_kernel_set", seen.append)
+    chunk_prefill.warmup(**spec[3])
+    assert seen == [chunk_prefill.PrefillStaticConfig(2, 8, "bfloat16", "float32", "float32", True,
+                                                      ("float32", "bfloat16"))]
 
 
 calls = []
@@ -138,6 +153,8 @@ def test_device_calls_take_the_long_sequence_path_of_the_first_long_request(monk
          prefill_beta_dtype=torch.float32, prefill_qk_l2norm=True),  # SGLang's calls
     dict(num_qk_heads=16, num_v_heads=64, pool_dtype=torch.float32, gate_dtype=torch.float32,
          bias_dtype=torch.bfloat16, prefill_qk_l2norm=False),
+    dict(num_qk_heads=16, num_v_heads=32, pool_dtype=torch.float32, gate_dtype=torch.float32,
+         bias_dtype=torch.bfloat16, prefill_packed=True),  # vLLM's with QLA_PREFILL_PACKED=1
 ])
 def test_device_calls_ask_for_no_kernel_the_warmup_did_not(monkeypatch, over):
     """The start-up device calls launch kernels the warm-up resolved: under QLA_STRICT=1 with the

@@ -344,6 +344,14 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 "qla-serving: the GDN metadata carries no prefill plan; the layer's attention backend is "
                 "not qla-serving's (was the plugin registered in this process?)"
             )
+        if backend.packed_prefill():
+            # the conv output and the gate inputs as vLLM has them: the kernels split, normalise
+            # and gate (no fused_post_conv_prep pass)
+            return qla_serving.chunk_gated_delta_rule_pool_packed(
+                x, a, b, self.A_log, self.dt_bias, ssm_state, md.qla_prefill_state_indices,
+                num_qk_heads=self.num_k_heads // self.tp_size, has_initial_state=md.qla_prefill_has_initial_state,
+                scale=self.head_k_dim**-0.5, plan=md.qla_plan, out=out,
+            )
         q, k, v, g, beta, l2_in_kernel = self._qla_prefill_inputs(x, a, b)
         return qla_serving.chunk_gated_delta_rule_pool(
             q, k, v, g, beta, ssm_state, md.qla_prefill_state_indices,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qla_serving import backend
 from qla_serving.warmup import WarmupConfig, device_call_steps, kernel_warmup_specs, resolve_steps, run_warmup
 
 logger = logging.getLogger("vllm.qla_serving")
@@ -60,12 +61,13 @@ def warmup_config(num_qk_heads: int, num_v_heads: int, dtype: torch.dtype, state
                   gate_dtype: torch.dtype, bias_dtype: torch.dtype, num_spec_tokens: int) -> WarmupConfig:
     """A layer's :class:`~qla_serving.warmup.WarmupConfig`.
 
-    vLLM's fused_post_conv_prep hands the prefill L2-normalised q/k and float32 beta.
+    vLLM's fused_post_conv_prep hands the prefill L2-normalised q/k and float32 beta; with
+    ``QLA_PREFILL_PACKED=1`` the prefill takes the conv output and the gate inputs instead.
     """
     return WarmupConfig(
         num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, dtype=dtype, pool_dtype=state_dtype,
         gate_dtype=gate_dtype, bias_dtype=bias_dtype, prefill_beta_dtype=torch.float32, prefill_qk_l2norm=False,
-        verify_tokens=num_spec_tokens + 1 if num_spec_tokens else None,
+        verify_tokens=num_spec_tokens + 1 if num_spec_tokens else None, prefill_packed=backend.packed_prefill(),
     )
 
 

@@ -59,8 +59,19 @@ def run_step(layer, vllm_config, query, context, slots, mixed_qkv, a, b):
 
 
 @pytest.mark.parametrize("num_decodes, prefill_lens", [(0, [70]), (3, [70, 5, 130]), (4, [])])
-def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, num_decodes, prefill_lens):
+@pytest.mark.parametrize("prefill_inputs", ["split", "packed"])
+def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, num_decodes, prefill_lens,
+                                     prefill_inputs):
+    """``packed``: the prefill takes the conv output and the raw gate inputs (QLA_PREFILL_PACKED=1)."""
     monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    monkeypatch.setenv("QLA_PREFILL_PACKED", "1" if prefill_inputs == "packed" else "0")
+    if prefill_inputs == "packed":
+        import qla_serving
+
+        calls = []
+        real = qla_serving.chunk_gated_delta_rule_pool_packed
+        monkeypatch.setattr(qla_serving, "chunk_gated_delta_rule_pool_packed",
+                            lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     rng = random.Random(torch.initial_seed())
     layer, conv_dim_first = fresh_layer(flashqla_config)
     conv_state, ssm_state = layer.kv_cache
@@ -111,6 +122,8 @@ def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, 
     others = [s for s in range(NUM_SLOTS) if s not in slots]
     assert torch.equal(ssm_state[others], ssm_before[others])
     assert torch.equal(conv_state[others], conv_before[others])
+    if prefill_inputs == "packed":  # the prefill rows went to the packed op, as one conv output
+        assert calls == ([(sum(prefill_lens), 2 * H * K + HV * V)] if prefill_lens else [])
 
 
 def test_decode_continues_a_prefill(flashqla_config, distributed, monkeypatch):
