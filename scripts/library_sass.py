@@ -74,7 +74,9 @@ def main() -> int:
             jit_bin = captured[-1]
         else:
             chunk_prefill._kernels.clear()
-            chunk_prefill._kernel_set(chunk_prefill.PrefillStaticConfig(*fields))
+            # (JSON gives the packed inputs' dtype pair as a list; the config is hashed)
+            chunk_prefill._kernel_set(chunk_prefill.PrefillStaticConfig(
+                *(tuple(f) if isinstance(f, list) else f for f in fields)))
             jit_bin = captured[0 if kind == "prep" else 1]
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(jit_bin)
