@@ -398,14 +398,42 @@ def _recorded_kernel(lib, symbol, args):
     return library.LibraryKernel(lib, entry, "test")
 
 
+def _prefill_spans_and_views(monkeypatch, call, fresh):
+    """Run a prefill entry (``call()``) three times with ``chunk_prefill._kernel_set`` stubbed:
+    with probes (the view path's arguments, which lay out the C parameters), then with library
+    kernels recording their C arguments, then with the same kernels behind lambdas (not
+    LibraryKernels: the entry builds views). Returns the probes' arguments and the C arguments of
+    the span and the view runs, per kernel, without the ``fresh`` ones (workspaces and AutoCP's
+    snapshot: allocated per call; their shapes are among the shape variables)."""
+    monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
+    seen = {}
+
+    def run(kernels):
+        monkeypatch.setattr(chunk_prefill, "_kernel_set", lambda cfg: kernels)
+        call()
+
+    run(tuple((lambda name: lambda *args: seen.__setitem__(name, args))(name) for name in ("prep", "fwd")))
+    lib = _RecordingLib()
+    prep, fwd = (_recorded_kernel(lib, name, seen[name]) for name in ("prep", "fwd"))
+
+    def c_args():
+        (p_args, f_args) = lib.calls[-2:]
+        del lib.calls[:]
+        return tuple([a for i, a in enumerate(c) if i not in fresh[name]] for name, c in (("prep", p_args), ("fwd", f_args)))
+
+    run((prep, fwd))
+    spans = c_args()
+    run((lambda *a: prep(*a), lambda *a: fwd(*a)))
+    return seen, spans, c_args()
+
+
 @pytest.mark.parametrize("lens,cp", [([700, 3, 129, 64], False), ([4096], True)])
 def test_prefill_entry_hands_library_kernels_spans_with_the_views_arguments(monkeypatch, lens, cp):
     """Like the decode entry: the prefill kernels get spans of the pool, the has-initial flags and
     the AutoCP snapshot where TileLang kernels get views, and the same C arguments arrive."""
     from qla_serving.plan import plan_prefill
 
-    monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
     H, HV, K = 2, 8, 128
     T = sum(lens)
     cu = [0]
@@ -419,35 +447,12 @@ def test_prefill_entry_hands_library_kernels_spans_with_the_views_arguments(monk
     pool = torch.zeros(9, HV * K * K + 32, dtype=torch.float32)[:, : HV * K * K].view(9, HV, K, K)
     slots = torch.randperm(9)[: len(lens)].to(torch.int32)
     has_initial = torch.rand(len(lens)) < 0.5
-    seen = {}
-
-    def probe(name):
-        def call(*args):
-            seen[name] = args
-        return call
-
-    def run(kernels):
-        monkeypatch.setattr(chunk_prefill, "_kernel_set", lambda cfg: kernels)
-        chunk_prefill.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=K**-0.5, plan=plan, state_pool=pool,
-                                                 state_indices=slots, has_initial_state=has_initial,
-                                                 use_qk_l2norm=True, out=out)
-
-    run((probe("prep"), probe("fwd")))  # the view path's arguments, to lay out the C parameters
-    lib = _RecordingLib()
-    prep, fwd = (_recorded_kernel(lib, name, seen[name]) for name in ("prep", "fwd"))
-    # Workspaces (and AutoCP's state snapshot) are allocated per call: every C argument but their
-    # pointers must match (their shapes are among the shape variables).
-    fresh = {"prep": (5, 6, 7), "fwd": (3, 4, 5, 12) if cp else (3, 4, 5)}
-
-    def c_args():
-        (p_args, f_args) = lib.calls[-2:]
-        del lib.calls[:]
-        return tuple([a for i, a in enumerate(c) if i not in fresh[name]] for name, c in (("prep", p_args), ("fwd", f_args)))
-
-    run((prep, fwd))
-    spans = c_args()
-    run((lambda *a: prep(*a), lambda *a: fwd(*a)))  # not LibraryKernels: the entry builds views
-    assert c_args() == spans
+    _, spans, views = _prefill_spans_and_views(
+        monkeypatch, lambda: chunk_prefill.chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, scale=K**-0.5, plan=plan, state_pool=pool, state_indices=slots,
+            has_initial_state=has_initial, use_qk_l2norm=True, out=out),
+        {"prep": (5, 6, 7), "fwd": (3, 4, 5, 12) if cp else (3, 4, 5)})
+    assert views == spans
     assert pool.data_ptr() in spans[1] and has_initial.data_ptr() in spans[1]
 
 
@@ -457,8 +462,6 @@ def test_packed_prefill_entry_hands_library_kernels_spans_with_the_views_argumen
     strides; the same C arguments as the TileLang views, workspaces aside."""
     from qla_serving.plan import plan_prefill
 
-    monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
     H, HV, K, lens = 2, 8, 128, [700, 3, 129]
     T = sum(lens)
     plan = plan_prefill([0, 700, 703, 832], device="cpu", num_v_heads=HV, sm_count=132)
@@ -469,33 +472,12 @@ def test_packed_prefill_entry_hands_library_kernels_spans_with_the_views_argumen
     out = torch.empty(T, HV, K, dtype=torch.bfloat16)
     pool = torch.zeros(5, HV, K, K)
     slots, has_initial = torch.tensor([4, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
-    seen = {}
-
-    def probe(name):
-        def call(*args):
-            seen[name] = args
-        return call
-
-    def run(kernels):
-        monkeypatch.setattr(chunk_prefill, "_kernel_set", lambda cfg: kernels)
-        chunk_prefill.chunk_gated_delta_rule_fwd_packed(
+    seen, spans, views = _prefill_spans_and_views(
+        monkeypatch, lambda: chunk_prefill.chunk_gated_delta_rule_fwd_packed(
             qkv, a, b, A_log, dt_bias, num_qk_heads=H, a_stride=2 * HV, b_stride=2 * HV, scale=K**-0.5, plan=plan,
-            state_pool=pool, state_indices=slots, has_initial_state=has_initial, out=out)
-
-    run((probe("prep"), probe("fwd")))
+            state_pool=pool, state_indices=slots, has_initial_state=has_initial, out=out),
+        {"prep": (8, 9, 10), "fwd": (3, 4, 5)})
     assert seen["prep"][0] is qkv and seen["fwd"][:3] == (qkv, qkv, qkv)
     assert seen["prep"][1].shape == ((T - 1) * 2 * HV + HV,) and seen["prep"][5:7] == (2 * HV, 2 * HV)
-    lib = _RecordingLib()
-    prep, fwd = (_recorded_kernel(lib, name, seen[name]) for name in ("prep", "fwd"))
-    fresh = {"prep": (8, 9, 10), "fwd": (3, 4, 5)}  # the workspaces: allocated per call
-
-    def c_args():
-        (p_args, f_args) = lib.calls[-2:]
-        del lib.calls[:]
-        return tuple([x for i, x in enumerate(c) if i not in fresh[name]] for name, c in (("prep", p_args), ("fwd", f_args)))
-
-    run((prep, fwd))
-    spans = c_args()
-    run((lambda *x: prep(*x), lambda *x: fwd(*x)))
-    assert c_args() == spans
+    assert views == spans
     assert spans[0][:3] == [qkv.data_ptr(), a.data_ptr(), b.data_ptr()] and spans[1][:3] == [qkv.data_ptr()] * 3
