@@ -161,7 +161,7 @@ def chunk_gated_delta_rule_pool(
     H, HV, K, V = _check_prefill_inputs(q, k, v, g, beta, T)
     plan, has_initial_state, out = _check_pool_call(
         T, HV, V, K, q.dtype, q.device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu, has_initial_state,
-        plan, checkpoints, checkpoint_every, out)
+        plan, checkpoints, checkpoint_every, out, "q")
     _run_prefill(q, k, v, g, beta, scale=K**-0.5 if scale is None else scale, plan=plan,
                  state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
                  use_qk_l2norm=use_qk_l2norm_in_kernel, checkpoints=checkpoints, out=out)
@@ -169,9 +169,10 @@ def chunk_gated_delta_rule_pool(
 
 
 def _check_pool_call(T, HV, V, K, dtype, device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu,
-                     has_initial_state, plan, checkpoints, checkpoint_every, out):
+                     has_initial_state, plan, checkpoints, checkpoint_every, out, tokens_of: str):
     """The pool forms' common arguments checked (and the plan built when none is given); returns
-    ``(plan, has_initial_state, out)`` with the defaults filled in."""
+    ``(plan, has_initial_state, out)`` with the defaults filled in. ``tokens_of``: the input that
+    gives the token count ``T``, for the messages."""
     checks.expect_pool("state_pool", state_pool, HV, V, K)
     checks.expect_same_device(device, state_pool=state_pool, state_indices=state_indices,
                               cu_seqlens=cu_seqlens, has_initial_state=has_initial_state,
@@ -183,7 +184,7 @@ def _check_pool_call(T, HV, V, K, dtype, device, state_pool, state_indices, cu_s
     elif checkpoint_every is not None and checkpoint_every != plan.checkpoint_every:
         raise ValueError(f"checkpoint_every={checkpoint_every} disagrees with the plan's {plan.checkpoint_every}")
     if plan.total_tokens != T:
-        raise ValueError(f"the plan covers {plan.total_tokens} tokens but the inputs have {T}")
+        raise ValueError(f"the plan covers {plan.total_tokens} tokens but {tokens_of} has {T}")
     N = plan.num_seqs
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=False)
     if has_initial_state is None:
@@ -293,7 +294,7 @@ def chunk_gated_delta_rule_pool_packed(
         qkv = qkv.contiguous()
     plan, has_initial_state, out = _check_pool_call(
         T, HV, V, K, qkv.dtype, qkv.device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu, has_initial_state,
-        plan, checkpoints, checkpoint_every, out)
+        plan, checkpoints, checkpoint_every, out, "qkv")
     scale = K**-0.5 if scale is None else scale
     fwd = backend.kernel_entry("prefill", _prefill_packed_kernels, qkv.device, K, V, qkv.dtype)
     if fwd is not None:
