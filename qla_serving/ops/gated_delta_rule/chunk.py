@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from ... import backend
+from ...constants import HEAD_DIM
 from ...plan import PrefillPlan, plan_prefill
 from . import checks
-from ...constants import HEAD_DIM
 from .naive import CHUNK_SIZE, chunk_gated_delta_rule_ref, gdn_gate_ref
 
 
@@ -68,15 +68,25 @@ def _all_initial(plan: PrefillPlan, device: torch.device) -> torch.Tensor:
 _kernel_module = None
 
 
-def _prefill_kernels():
-    """The TileLang chunked prefill (imported on first use: TileLang loads only where it runs; then
-    the module is kept, an attribute read per call instead of an import statement)."""
+def _prefill_module():
+    """The TileLang chunked prefill's host module (imported on first use: TileLang loads only where
+    it runs; then the module is kept, an attribute read per call instead of an import statement)."""
     global _kernel_module
     if _kernel_module is None:
         from ...kernels import chunk_prefill
 
         _kernel_module = chunk_prefill
-    return _kernel_module.chunk_gated_delta_rule_fwd
+    return _kernel_module
+
+
+def _prefill_kernels():
+    """The chunked prefill's entry point for contiguous q, k, v and given gates."""
+    return _prefill_module().chunk_gated_delta_rule_fwd
+
+
+def _prefill_packed_kernels():
+    """Its entry point for the engine's conv output and raw gate inputs."""
+    return _prefill_module().chunk_gated_delta_rule_fwd_packed
 
 
 def _run_prefill(q, k, v, g, beta, *, scale, plan, state_pool, state_indices, has_initial_state,
@@ -207,19 +217,6 @@ def _check_pool_call(T, HV, V, K, dtype, device, state_pool, state_indices, cu_s
             raise TypeError(f"out has dtype {out.dtype}; it must match the activations' {dtype}")
         checks.expect_contiguous("out", out)
     return plan, has_initial_state, out
-
-
-_packed_module = None
-
-
-def _prefill_packed_kernels():
-    """The packed-inputs entry of the TileLang chunked prefill (imported on first use)."""
-    global _packed_module
-    if _packed_module is None:
-        from ...kernels import chunk_prefill
-
-        _packed_module = chunk_prefill
-    return _packed_module.chunk_gated_delta_rule_fwd_packed
 
 
 def _gate_input(name: str, x: torch.Tensor, T: int, HV: int) -> tuple[torch.Tensor, int]:
