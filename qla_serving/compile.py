@@ -20,9 +20,12 @@ import torch
 from .warmup import WarmupConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# What each engine's adapter hands the prefill kernels (integrations/*/warmup.py): vLLM normalises
-# q and k in its own fused kernel first, SGLang leaves it to ours.
-ENGINE_PREFILL = {"vllm": {"prefill_qk_l2norm": False}, "sglang": {"prefill_qk_l2norm": True}}
+# What each engine's adapter hands the prefill kernels (integrations/*/warmup.py), first the mode it
+# serves with, then the prefill-only modes a flag can pick: vLLM normalises q and k in its own fused
+# kernel first, or (QLA_PREFILL_PACKED) hands over its conv output and raw gates; SGLang leaves the
+# normalisation to ours.
+ENGINE_PREFILL = {"vllm": ({"prefill_qk_l2norm": False}, {"prefill_qk_l2norm": False, "prefill_packed": True}),
+                  "sglang": ({"prefill_qk_l2norm": True},)}
 
 
 def model_heads(config_path: str | pathlib.Path) -> tuple[int, int]:
@@ -47,7 +50,8 @@ def per_rank(heads: tuple[int, int], tp: int) -> tuple[int, int]:
 def plan_configs(heads: list[tuple[int, int]], *, engine: str, dtypes: list[str], states: list[str],
                  verify_tokens: list[int] = (), gate_dtype: str = "fp32", bias_dtype: str | None = None
                  ) -> list[WarmupConfig]:
-    """One :class:`WarmupConfig` per (heads, activation dtype, state dtype, verify length).
+    """One :class:`WarmupConfig` per (heads, activation dtype, state dtype, verify length), and a
+    prefill-only one per further prefill mode of the engine (``ENGINE_PREFILL``).
 
     ``bias_dtype`` None: the activation dtype, as both engines create ``dt_bias`` (and ``A_log``
     in float32, the default ``gate_dtype``).
@@ -61,8 +65,9 @@ def plan_configs(heads: list[tuple[int, int]], *, engine: str, dtypes: list[str]
                 base = WarmupConfig(num_qk_heads=h, num_v_heads=hv, dtype=DTYPES[dt], pool_dtype=DTYPES[st],
                                     gate_dtype=DTYPES[gate_dtype],
                                     bias_dtype=DTYPES[bias_dtype or dt],
-                                    prefill_beta_dtype=torch.float32, **ENGINE_PREFILL[engine])
+                                    prefill_beta_dtype=torch.float32, **ENGINE_PREFILL[engine][0])
                 out.append(base)
+                out += [replace(base, phases=frozenset({"prefill"}), **mode) for mode in ENGINE_PREFILL[engine][1:]]
                 out += [replace(base, phases=frozenset({"verify"}), verify_tokens=t) for t in verify_tokens if t > 1]
     return out
 

@@ -100,10 +100,12 @@ def test_compile_plans_per_rank_heads_from_a_model_config(tmp_path):
         qc.per_rank((16, 64), 3)
     configs = qc.plan_configs([(4, 16), (2, 8)], engine="vllm", dtypes=["bf16"], states=["fp32", "bf16"],
                               verify_tokens=[3])
-    assert len(configs) == 2 * 2 * 2  # heads x states x (serving, verify)
+    assert len(configs) == 2 * 2 * 3  # heads x states x (serving, verify, packed prefill)
     assert all(c.prefill_qk_l2norm is False for c in configs)  # vLLM normalises q and k itself
     verify = [c for c in configs if c.verify_tokens == 3]
     assert len(verify) == 4 and all(c.phases == frozenset({"verify"}) for c in verify)
+    packed = [c for c in configs if c.prefill_packed]  # what QLA_PREFILL_PACKED=1 serves with
+    assert len(packed) == 4 and all(c.phases == frozenset({"prefill"}) and c.verify_tokens is None for c in packed)
     assert qc.plan_configs([(2, 8)], engine="sglang", dtypes=["fp16"], states=["fp32"])[0].prefill_qk_l2norm
 
 
@@ -123,9 +125,11 @@ def test_compile_builds_a_library_of_the_planned_configs(monkeypatch, capsys, tm
     assert cli.main(["compile", "--model-config", str(cfg), "--tp", "4", "8", "--state", "bf16",
                      "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert f"2 configuration(s) (vllm, heads 4/8, 2/4) into {tmp_path}" in out and "2 kernels" in out
+    assert f"4 configuration(s) (vllm, heads 4/8, 2/4) into {tmp_path}" in out and "2 kernels" in out
     (configs, where), = built
-    assert where == str(tmp_path) and [(c.num_qk_heads, c.num_v_heads) for c in configs] == [(4, 8), (2, 4)]
+    assert where == str(tmp_path)
+    assert [(c.num_qk_heads, c.num_v_heads, c.prefill_packed) for c in configs] == [
+        (4, 8, False), (4, 8, True), (2, 4, False), (2, 4, True)]
     assert all(c.bias_dtype == torch.bfloat16 and c.gate_dtype == torch.float32 for c in configs)
 
 
@@ -148,6 +152,9 @@ def test_shipped_set_covers_released_heads_at_every_tp():
     assert {(16, 32), (8, 16), (4, 8), (2, 4), (16, 64), (2, 8), (4, 12)} <= full
     sglang = [c for c in configs if c.prefill_qk_l2norm]
     assert sglang and all(c.phases == frozenset({"prefill"}) for c in sglang)  # decode is shared with vLLM's
+    packed = {(c.num_qk_heads, c.num_v_heads, c.dtype, c.pool_dtype) for c in configs if c.prefill_packed}
+    assert packed == {(c.num_qk_heads, c.num_v_heads, c.dtype, c.pool_dtype) for c in configs
+                      if c.phases == frozenset({"prefill", "decode", "verify"})}
     assert {c.verify_tokens for c in configs if c.phases == frozenset({"verify"})} == {2, 3, 4, 5, 9}
     assert {c.dtype for c in configs} == {torch.bfloat16, torch.float16}
 
