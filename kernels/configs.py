@@ -37,7 +37,8 @@ DECODE_CONFIGS: dict = {
 # (Qwen3-Next, Qwen3.5, Qwen3.6: 16 q/k heads and 16, 32, 48 or 64 value heads) at tensor
 # parallelism 1, 2, 4 and 8, for each engine's ways of calling the kernels (vLLM's packed prefill
 # too), every activation and state dtype, and speculative verify of 1, 2, 3, 4 and 8 draft tokens
-# (MTP's usual settings). A configuration outside it is compiled with TileLang when a validated TileLang is installed.
+# (MTP's usual settings). A configuration outside it is compiled with TileLang when a validated
+# TileLang is installed.
 SHIPPED_CONFIGS: dict = {
     "qk_heads": 16,
     "v_heads": (16, 32, 48, 64),
