@@ -57,7 +57,11 @@ WORKLOADS: dict[str, tuple[int, int]] = {
     "short": (1024, 128),
 }
 ENGINES = ("vllm", "sglang")
-BACKENDS = ("flashqla", "default", "flashinfer", "triton")
+# Our backends and what each sets in the server's environment (every one under QLA_STRICT=1):
+# flashqla-packed is flashqla with the packed-inputs prefill (QLA_PREFILL_PACKED), for A/B runs.
+OURS = {"flashqla": {}, "flashqla-packed": {"QLA_PREFILL_PACKED": "1"}}
+BACKENDS = ("flashqla", "default", "flashinfer", "triton", "flashqla-packed")
+DEFAULT_BACKENDS = BACKENDS[:4]
 TOKENIZER_WORDS = 32000  # word ids 0..31999; the end-of-text token comes after them
 EOS_TEXT = "<|endoftext|>"
 # `vllm` as this interpreter runs it (the GPU machine carries vLLM on PYTHONPATH, no console script)
@@ -230,7 +234,7 @@ def server_command(s: Setup, backend: str, extra: list[str] = ()) -> list[str]:
         if s.tp > 1:
             # the same all-reduce for every backend (NCCL); docs/e2e.md, "Tensor parallelism"
             cmd.append("--disable-custom-all-reduce")
-        if backend == "flashqla":
+        if backend in OURS:
             cmd += ["--linear-attn-backend", "flashqla"]
         elif backend != "default":
             cmd += ["--gdn-prefill-backend", backend]
@@ -245,7 +249,9 @@ def server_command(s: Setup, backend: str, extra: list[str] = ()) -> list[str]:
             # SGLang's default full attention on Hopper is FA3, from sgl-kernel's flash_ops, which
             # the GPU machine's bundle leaves out (1.1 GB); the same for every backend
             cmd += ["--attention-backend", "triton"]
-        if backend != "default":
+        if backend in OURS:
+            cmd += ["--linear-attn-backend", "flashqla"]
+        elif backend != "default":
             cmd += ["--linear-attn-backend", backend]
         if s.text_model:
             # SGLang resolves the hybrid radix cache's strategy for the released architectures only
@@ -557,8 +563,9 @@ def backend_env(backend: str, tp: int = 1, engine: str = "vllm") -> dict:
         # off: it faults in vLLM's profiling run (docs/e2e.md, "Tensor parallelism")
         env.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
     env["QLA_BENCH_GDN_GATES"] = "1"  # SGLang's dummy weights with gates that remember (vLLM: qla_dummy)
-    if backend == "flashqla":
+    if backend in OURS:
         env["QLA_STRICT"] = "1"  # a fallback is an error: the row is ours or absent
+        env.update(OURS[backend])
     return env
 
 
@@ -860,9 +867,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                          f"{b.get('agree_fraction')} | {cap} |"
                          + (f" {b.get('sample', 1)} | {b.get('visible_gpus', 'all')} |" if pinned else ""))
         lines += ["", f"Reference for agreement: {meta.get('reference')}; {meta.get('agreement')}.", ""]
-    ratios = against_best(rows)
-    if ratios:
-        lines += ["## flashqla against the best built-in backend", "",
+    for ours in OURS:
+        ratios = against_best(rows, ours)
+        if not ratios:
+            continue
+        lines += [f"## {ours} against the best built-in backend", "",
                   "Throughput over the built-in backend with the highest total throughput (named), output "
                   "throughput over the highest built-in one, latencies over the lowest built-in ones.", "",
                   "| workload | conc | best built-in | total tok/s | output tok/s | mean TTFT | mean TPOT |",
@@ -917,7 +926,7 @@ def against_best(rows: list[dict], ours: str = "flashqla") -> list[dict]:
     for w, c in dict.fromkeys((r["workload"], r["concurrency"]) for r in ok):
         pt = [r for r in ok if (r["workload"], r["concurrency"]) == (w, c)]
         mine = next((r for r in pt if r["backend"] == ours), None)
-        built_in = [r for r in pt if r["backend"] != ours]
+        built_in = [r for r in pt if r["backend"] not in OURS]
         if mine is None or not built_in:
             continue
         best = max(built_in, key=lambda r: r["total_tok_s"])
@@ -990,7 +999,7 @@ def parse_args(argv):
     p.add_argument("--model", default="qwen3.5-397b-a17b", help="a name in e2e_bench/models/")
     p.add_argument("--layers", type=int, default=4, help="layers kept (a multiple of the full-attention interval)")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(DEFAULT_BACKENDS),
                    help="'default' is the engine's own choice, resolved from its log and recorded by name; "
                         "an explicit backend equal to it is not run twice")
     p.add_argument("--reference", default="default", choices=BACKENDS, help="agree_fraction is measured against it")

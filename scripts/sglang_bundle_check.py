@@ -292,7 +292,7 @@ def check_serving() -> int:
                 f"{'off' if sa.disable_overlap_schedule else 'on'}, mem fraction {sa.mem_fraction_static}")
 
     print(f"      sgl-kernel FA3 library: {fa3}")
-    for backend in serve.BACKENDS:
+    for backend in serve.DEFAULT_BACKENDS:
         step(f"server args ({backend})", lambda backend=backend: server_args(backend))
 
     def model():
