@@ -867,14 +867,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                          f"{b.get('agree_fraction')} | {cap} |"
                          + (f" {b.get('sample', 1)} | {b.get('visible_gpus', 'all')} |" if pinned else ""))
         lines += ["", f"Reference for agreement: {meta.get('reference')}; {meta.get('agreement')}.", ""]
-    for ours in OURS:
-        ratios = against_best(rows, ours)
+    variants = [(o, None) for o in OURS] + [(o, "flashqla") for o in OURS if o != "flashqla"]
+    for ours, versus in variants:
+        ratios = against_best(rows, ours, versus)
         if not ratios:
             continue
-        lines += [f"## {ours} against the best built-in backend", "",
+        lines += [f"## {ours} against {versus or 'the best built-in backend'}", "",
+                  f"Throughput over {versus}'s, latencies over {versus}'s." if versus else
                   "Throughput over the built-in backend with the highest total throughput (named), output "
                   "throughput over the highest built-in one, latencies over the lowest built-in ones.", "",
-                  "| workload | conc | best built-in | total tok/s | output tok/s | mean TTFT | mean TPOT |",
+                  f"| workload | conc | {versus or 'best built-in'} | total tok/s | output tok/s | mean TTFT | mean TPOT |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {a['workload']} | {a['concurrency']} | {a['best']} | {a['total_tok_s']:.3f}x | "
                   f"{a['output_tok_s']:.3f}x | {a['mean_ttft']:.3f}x | {a['mean_tpot']:.3f}x |" for a in ratios]
@@ -918,15 +920,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def against_best(rows: list[dict], ours: str = "flashqla") -> list[dict]:
+def against_best(rows: list[dict], ours: str = "flashqla", versus: str | None = None) -> list[dict]:
     """Per workload and concurrency: ``ours`` over the best built-in backend (highest total
-    throughput) on throughput, and over the lowest built-in TTFT/TPOT on latency."""
+    throughput) on throughput, and over the lowest built-in TTFT/TPOT on latency; with ``versus``,
+    over that backend's rows instead (an A/B of two of ours)."""
     out = []
     ok = [r for r in rows if not r.get("error")]
     for w, c in dict.fromkeys((r["workload"], r["concurrency"]) for r in ok):
         pt = [r for r in ok if (r["workload"], r["concurrency"]) == (w, c)]
         mine = next((r for r in pt if r["backend"] == ours), None)
-        built_in = [r for r in pt if r["backend"] not in OURS]
+        built_in = [r for r in pt if (r["backend"] == versus if versus else r["backend"] not in OURS)]
         if mine is None or not built_in:
             continue
         best = max(built_in, key=lambda r: r["total_tok_s"])

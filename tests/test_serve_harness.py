@@ -303,8 +303,11 @@ def test_packed_variant_is_ours_with_its_flag_and_never_a_built_in(tmp_path, mon
     packed = {(a["workload"], a["concurrency"]): a for a in serve.against_best(rows, "flashqla-packed")}
     assert classic[("chat", 32)]["best"] == packed[("chat", 32)]["best"] == "triton"
     assert packed[("chat", 32)]["total_tok_s"] == pytest.approx(1.5 * classic[("chat", 32)]["total_tok_s"])
+    ab = serve.against_best(rows, "flashqla-packed", versus="flashqla")
+    assert {a["best"] for a in ab} == {"flashqla"} and all(a["total_tok_s"] == pytest.approx(1.5) for a in ab)
     md = serve.markdown({"engine": "vllm"}, rows)
     assert "## flashqla against the best" in md and "## flashqla-packed against the best" in md
+    assert "## flashqla-packed against flashqla" in md
 
 
 def test_finish_rows_gives_each_backend_and_its_rows_one_agreement():
