@@ -44,7 +44,8 @@ HEAD_CONFIGS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (8, 24),
 BATCHES = ["1x32768", "1x8192", "1x2048", "24576+8192", "8x4096", "8x1024"]
 IMPLS = ["qla", "fla", "flashinfer"]
 # ours with AutoCP off, to show what the planner's choice gains; FlashQLA, the Qwen team's TileLang library
-EXTRA_IMPLS = ["qla-nocp", "qwen-flashqla"]  # the 2026-11-22 results of record call the latter "flashqla"
+# (the 2026-11-22 results of record call it "flashqla"); ours on the engine's packed buffers
+EXTRA_IMPLS = ["qla-nocp", "qwen-flashqla", "qla-packed"]
 K = V = HEAD_DIM
 
 
@@ -81,7 +82,7 @@ def make_inputs(lens, hqk, hv, dtype=torch.bfloat16):
     beta = torch.sigmoid(b).to(dtype)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
     h0 = torch.randn(len(lens), hv, V, K, device=dev) * 0.1  # [N, HV, V, K]
-    return dict(q=q, k=k, v=v, g=g.contiguous(), beta=beta, cu=cu, h0=h0)
+    return dict(q=q, k=k, v=v, g=g.contiguous(), beta=beta, cu=cu, h0=h0, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
 
 
 def num_chunks(lens) -> int:
@@ -141,6 +142,38 @@ def runner_qla(x, hqk, hv, autocp=True):
         chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, plan=plan,
                                    state_pool=pool, state_indices=idx, has_initial_state=has_init,
                                    use_qk_l2norm=True, out=out)
+        return out, final_state
+
+    return fn
+
+
+def runner_qla_packed(x, hqk, hv):
+    """Ours on the engine's own buffers (vLLM's conv output holding q, k, v; a and b as the two
+    halves of one projection, in the activation dtype; ``dt_bias`` too, as vLLM creates it): the
+    packed-inputs kernels, whose ``prep`` splits, normalises and gates, so no preparation pass runs
+    before them (``qla`` is timed without the one it needs)."""
+    from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd_packed, warmup
+    from qla_serving.plan import plan_prefill
+
+    dtype, T = x["q"].dtype, x["q"].shape[0]
+    qkv = torch.cat([x["q"].reshape(T, -1), x["k"].reshape(T, -1), x["v"].reshape(T, -1)], dim=1)
+    ab = torch.cat([x["a"], x["b"]], dim=1).to(dtype)
+    a, b = ab[:, :hv], ab[:, hv:]
+    dt_bias = x["dt_bias"].to(dtype)
+    warmup(hqk, hv, dtype=dtype, pool_dtype=torch.float32, packed_gate_dtypes=(x["A_log"].dtype, dtype))
+    N = len(x["cu"]) - 1
+    plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv)
+    pool = torch.empty(N + 1, hv, V, K, device="cuda")
+    idx = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
+    has_init = torch.ones(N, dtype=torch.bool, device="cuda")
+    out = torch.empty_like(x["v"])
+    pool[1:].copy_(x["h0"])
+    final_state = pool[1:]
+
+    def fn():
+        chunk_gated_delta_rule_fwd_packed(qkv, a, b, x["A_log"], dt_bias, num_qk_heads=hqk, a_stride=2 * hv,
+                                          b_stride=2 * hv, scale=K**-0.5, plan=plan, state_pool=pool,
+                                          state_indices=idx, has_initial_state=has_init, out=out)
         return out, final_state
 
     return fn
@@ -258,7 +291,7 @@ def check_against_qla(x, hqk, hv, impls) -> list[str]:
 
 
 RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer, "qwen-flashqla": runner_qwen_flashqla,
-           "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False)}
+           "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False), "qla-packed": runner_qla_packed}
 
 
 @contextlib.contextmanager
