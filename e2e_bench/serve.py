@@ -58,9 +58,10 @@ WORKLOADS: dict[str, tuple[int, int]] = {
 }
 ENGINES = ("vllm", "sglang")
 # Our backends and what each sets in the server's environment (every one under QLA_STRICT=1):
-# flashqla-packed is flashqla with the packed-inputs prefill (QLA_PREFILL_PACKED), for A/B runs.
-OURS = {"flashqla": {}, "flashqla-packed": {"QLA_PREFILL_PACKED": "1"}}
-BACKENDS = ("flashqla", "default", "flashinfer", "triton", "flashqla-packed")
+# flashqla-classic is flashqla with vLLM's own input preparation before the classic prefill
+# kernels (QLA_PREFILL_PACKED=0), for A/B runs against the default packed-inputs prefill.
+OURS = {"flashqla": {}, "flashqla-classic": {"QLA_PREFILL_PACKED": "0"}}
+BACKENDS = ("flashqla", "default", "flashinfer", "triton", "flashqla-classic")
 DEFAULT_BACKENDS = BACKENDS[:4]
 TOKENIZER_WORDS = 32000  # word ids 0..31999; the end-of-text token comes after them
 EOS_TEXT = "<|endoftext|>"

@@ -29,11 +29,11 @@ def strict_mode() -> bool:
 
 
 def packed_prefill() -> bool:
-    """Whether the engine adapters hand the prefill the engine's conv output and raw gate inputs
-    (:func:`~qla_serving.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_pool_packed`) instead of
-    the engine's split, normalised and gated q, k, v, g, beta (``QLA_PREFILL_PACKED=1``; off until
-    its kernels have passed the GPU suite and a serving run, docs/e2e.md)."""
-    return os.environ.get("QLA_PREFILL_PACKED", "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the vLLM adapter hands the prefill vLLM's conv output and raw gate inputs
+    (:func:`~qla_serving.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_pool_packed`, the
+    default) or, with ``QLA_PREFILL_PACKED=0``, vLLM's split, normalised and gated q, k, v, g, beta
+    (one more pass per layer; the A/B in docs/e2e.md)."""
+    return os.environ.get("QLA_PREFILL_PACKED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @functools.lru_cache(maxsize=None)

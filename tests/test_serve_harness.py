@@ -285,29 +285,29 @@ def test_flashqla_is_compared_with_the_best_built_in_backend():
     assert serve.against_best([r for r in rows if r["backend"] != "flashqla"]) == []
 
 
-def test_packed_variant_is_ours_with_its_flag_and_never_a_built_in(tmp_path, monkeypatch):
-    """flashqla-packed: the same plugin backend, QLA_PREFILL_PACKED=1 in its server's environment only,
-    compared with the built-in backends as flashqla is, never counted among them."""
+def test_classic_variant_is_ours_with_its_flag_and_never_a_built_in(tmp_path, monkeypatch):
+    """flashqla-classic: the same plugin backend, QLA_PREFILL_PACKED=0 in its server's environment
+    only, compared with the built-in backends as flashqla is, never counted among them."""
     monkeypatch.delenv("QLA_PREFILL_PACKED", raising=False)
     for engine in ("vllm", "sglang"):
-        cmd = serve.server_command(serve.Setup(engine, str(tmp_path), 1, 4096), "flashqla-packed")
+        cmd = serve.server_command(serve.Setup(engine, str(tmp_path), 1, 4096), "flashqla-classic")
         assert cmd[cmd.index("--linear-attn-backend") + 1] == "flashqla"
-    env = serve.backend_env("flashqla-packed")
-    assert env["QLA_PREFILL_PACKED"] == "1" and env["QLA_STRICT"] == "1"
+    env = serve.backend_env("flashqla-classic")
+    assert env["QLA_PREFILL_PACKED"] == "0" and env["QLA_STRICT"] == "1"
     assert "QLA_PREFILL_PACKED" not in serve.backend_env("flashqla")
-    assert "flashqla-packed" not in serve.DEFAULT_BACKENDS
+    assert "flashqla-classic" not in serve.DEFAULT_BACKENDS
     rows = _rows()[:4]  # triton at 100/3200 tok/s, flashqla at 120/3840
-    rows += [{**r, "backend": "flashqla-packed", "total_tok_s": r["total_tok_s"] * 1.5}
+    rows += [{**r, "backend": "flashqla-classic", "total_tok_s": r["total_tok_s"] * 1.5}
              for r in rows if r["backend"] == "flashqla"]
-    classic = {(a["workload"], a["concurrency"]): a for a in serve.against_best(rows)}
-    packed = {(a["workload"], a["concurrency"]): a for a in serve.against_best(rows, "flashqla-packed")}
+    packed = {(a["workload"], a["concurrency"]): a for a in serve.against_best(rows)}
+    classic = {(a["workload"], a["concurrency"]): a for a in serve.against_best(rows, "flashqla-classic")}
     assert classic[("chat", 32)]["best"] == packed[("chat", 32)]["best"] == "triton"
-    assert packed[("chat", 32)]["total_tok_s"] == pytest.approx(1.5 * classic[("chat", 32)]["total_tok_s"])
-    ab = serve.against_best(rows, "flashqla-packed", versus="flashqla")
+    assert classic[("chat", 32)]["total_tok_s"] == pytest.approx(1.5 * packed[("chat", 32)]["total_tok_s"])
+    ab = serve.against_best(rows, "flashqla-classic", versus="flashqla")
     assert {a["best"] for a in ab} == {"flashqla"} and all(a["total_tok_s"] == pytest.approx(1.5) for a in ab)
     md = serve.markdown({"engine": "vllm"}, rows)
-    assert "## flashqla against the best" in md and "## flashqla-packed against the best" in md
-    assert "## flashqla-packed against flashqla" in md
+    assert "## flashqla against the best" in md and "## flashqla-classic against the best" in md
+    assert "## flashqla-classic against flashqla" in md
 
 
 def test_finish_rows_gives_each_backend_and_its_rows_one_agreement():

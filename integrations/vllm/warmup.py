@@ -61,8 +61,9 @@ def warmup_config(num_qk_heads: int, num_v_heads: int, dtype: torch.dtype, state
                   gate_dtype: torch.dtype, bias_dtype: torch.dtype, num_spec_tokens: int) -> WarmupConfig:
     """A layer's :class:`~qla_serving.warmup.WarmupConfig`.
 
-    vLLM's fused_post_conv_prep hands the prefill L2-normalised q/k and float32 beta; with
-    ``QLA_PREFILL_PACKED=1`` the prefill takes the conv output and the gate inputs instead.
+    The prefill takes vLLM's conv output and gate inputs (the packed-inputs kernels); with
+    ``QLA_PREFILL_PACKED=0``, vLLM's fused_post_conv_prep output instead (L2-normalised q/k,
+    float32 beta).
     """
     return WarmupConfig(
         num_qk_heads=num_qk_heads, num_v_heads=num_v_heads, dtype=dtype, pool_dtype=state_dtype,
