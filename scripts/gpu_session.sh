@@ -28,6 +28,9 @@
 # caches-save (Triton's and FlashInfer's JIT caches of this machine as pieces jit-caches.tar.xz.NN in
 # $OUT) and caches-restore (the pieces carried in .device/jit-caches, unpacked into $HOME before any
 # server starts: a fresh machine then starts its servers warm; scripts/device_caches.sh keeps them here).
+# library (the shipped kernel library built here with every CPU, `qla-serving compile --shipped`, into
+# QLA_LIBRARY_OUT, default /tmp/qla-lib: a 64-core machine builds it in about 6 minutes, a 2-core one in
+# an hour; later steps and calls use it with QLA_KERNEL_LIBRARY=/tmp/qla-lib; needs the tilelang-fi bundle).
 # tests-background (the tests and check steps started in a process session of their own, which
 # outlives this call: the machine works through them while the next calls copy bundle parts) and
 # tests-wait (in a later call on the same machine: waits up to QLA_SUITE_WAIT seconds, default 600,
@@ -197,6 +200,15 @@ for step in "$@"; do
         cat "$pieces"/jit-caches.tar.xz.* | xz -d | tar -C "$HOME" -xf - || exit 1
         echo "JIT caches restored into $HOME:" $(cd "$HOME" && du -sh "${jit_cache_dirs[@]}" 2>/dev/null)
       ) 2>&1 | tee "$OUT/caches-restore.log" | tail -5 ;;
+    library)
+      ( out=${QLA_LIBRARY_OUT:-/tmp/qla-lib} start=$(date +%s)
+        python3 -m qla_serving.cli compile --shipped --out "$out" --jobs "$(nproc)" 2>&1 | tr '\r' '\n' \
+          | grep -v -E "begins to compile|completes to compile|building kernels: +[0-9]+%" | tail -5
+        [[ -f $out/manifest.json ]] || exit 1
+        echo "library built in $(($(date +%s) - start)) s:"
+        python3 -c "import json, sys; m = json.load(open(sys.argv[1])); print(m['source_digest'], len(m['configs']), 'configurations,', len(m['kernels']), 'kernels,', m['built_with'])" "$out/manifest.json"
+        sha256sum "$out"/*.so
+      ) 2>&1 | tee "$OUT/library.log" | tail -12 ;;
     tests-background)
       rm -rf /tmp/qla-suite-out /tmp/qla-suite.rc
       setsid nohup bash -c 'OUT=/tmp/qla-suite-out QLA_STAGE=/tmp/qla-stage-suite bash "$1" tests check \
