@@ -123,6 +123,8 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             _building_active_layer.reset(token)
         self.qla_requested = requested
         self.qla_active = active
+        # decided once, as the warm-up's kernel set was (QLA_PREFILL_PACKED)
+        self.qla_packed_prefill = backend.packed_prefill()
         if active:
             # vLLM >= 0.28 can send (speculative) decode to a fused CUDA kernel that bypasses
             # _forward_core (the flag is enable_fused_gdn_decode in 0.28-0.31,
@@ -135,7 +137,10 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             global _announced
             if not _announced:
                 _announced = True
-                logger.info("qla-serving: GDN layers run on flashqla (prefill, decode, speculative verify)")
+                inputs = ("vLLM's conv output and gate inputs, in place" if self.qla_packed_prefill
+                          else "vLLM's fused_post_conv_prep output")
+                logger.info("qla-serving: GDN layers run on flashqla (prefill, decode, speculative verify); "
+                            "the prefill reads %s", inputs)
 
     @staticmethod
     def _qla_unsupported_reason(config, vllm_config) -> str | None:
@@ -344,7 +349,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 "qla-serving: the GDN metadata carries no prefill plan; the layer's attention backend is "
                 "not qla-serving's (was the plugin registered in this process?)"
             )
-        if backend.packed_prefill():
+        if self.qla_packed_prefill:
             # the conv output and the gate inputs as vLLM has them: the kernels split, normalise
             # and gate (no fused_post_conv_prep pass)
             return qla_serving.chunk_gated_delta_rule_pool_packed(
