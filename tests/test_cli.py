@@ -104,7 +104,7 @@ def test_compile_plans_per_rank_heads_from_a_model_config(tmp_path):
     assert all(c.prefill_qk_l2norm is False for c in configs)  # vLLM normalises q and k itself
     verify = [c for c in configs if c.verify_tokens == 3]
     assert len(verify) == 4 and all(c.phases == frozenset({"verify"}) for c in verify)
-    packed = [c for c in configs if c.prefill_packed]  # what QLA_PREFILL_PACKED=1 serves with
+    packed = [c for c in configs if c.prefill_packed]  # what vLLM serves with by default
     assert len(packed) == 4 and all(c.phases == frozenset({"prefill"}) and c.verify_tokens is None for c in packed)
     assert qc.plan_configs([(2, 8)], engine="sglang", dtypes=["fp16"], states=["fp32"])[0].prefill_qk_l2norm
 

@@ -154,7 +154,7 @@ def test_device_calls_take_the_long_sequence_path_of_the_first_long_request(monk
     dict(num_qk_heads=16, num_v_heads=64, pool_dtype=torch.float32, gate_dtype=torch.float32,
          bias_dtype=torch.bfloat16, prefill_qk_l2norm=False),
     dict(num_qk_heads=16, num_v_heads=32, pool_dtype=torch.float32, gate_dtype=torch.float32,
-         bias_dtype=torch.bfloat16, prefill_packed=True),  # vLLM's with QLA_PREFILL_PACKED=1
+         bias_dtype=torch.bfloat16, prefill_packed=True),  # vLLM's by default
 ])
 def test_device_calls_ask_for_no_kernel_the_warmup_did_not(monkeypatch, over):
     """The start-up device calls launch kernels the warm-up resolved: under QLA_STRICT=1 with the

@@ -62,7 +62,8 @@ def run_step(layer, vllm_config, query, context, slots, mixed_qkv, a, b):
 @pytest.mark.parametrize("prefill_inputs", ["split", "packed"])
 def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, num_decodes, prefill_lens,
                                      prefill_inputs):
-    """``packed``: the prefill takes the conv output and the raw gate inputs (QLA_PREFILL_PACKED=1)."""
+    """``packed`` (the default): the prefill takes the conv output and the raw gate inputs; ``split``:
+    vLLM's fused_post_conv_prep output (QLA_PREFILL_PACKED=0)."""
     monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
     monkeypatch.setenv("QLA_PREFILL_PACKED", "1" if prefill_inputs == "packed" else "0")
     if prefill_inputs == "packed":
