@@ -45,6 +45,17 @@ def test_packed_prefill_warms_the_packed_kernels(monkeypatch):
                                                       ("float32", "bfloat16"))]
 
 
+@pytest.mark.parametrize("value, packed", [(None, True), ("1", True), ("on", True), ("0", False), ("off", False)])
+def test_packed_prefill_is_the_default_and_zero_turns_it_off(monkeypatch, value, packed):
+    from qla_serving import backend
+
+    if value is None:
+        monkeypatch.delenv("QLA_PREFILL_PACKED", raising=False)
+    else:
+        monkeypatch.setenv("QLA_PREFILL_PACKED", value)
+    assert backend.packed_prefill() is packed
+
+
 calls = []
 
 
