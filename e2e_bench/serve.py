@@ -61,8 +61,8 @@ ENGINES = ("vllm", "sglang")
 # flashqla-classic is flashqla with vLLM's own input preparation before the classic prefill
 # kernels (QLA_PREFILL_PACKED=0), for A/B runs against the default packed-inputs prefill.
 OURS = {"flashqla": {}, "flashqla-classic": {"QLA_PREFILL_PACKED": "0"}}
-BACKENDS = ("flashqla", "default", "flashinfer", "triton", "flashqla-classic")
-DEFAULT_BACKENDS = BACKENDS[:4]
+DEFAULT_BACKENDS = ("flashqla", "default", "flashinfer", "triton")
+BACKENDS = DEFAULT_BACKENDS + tuple(o for o in OURS if o not in DEFAULT_BACKENDS)
 TOKENIZER_WORDS = 32000  # word ids 0..31999; the end-of-text token comes after them
 EOS_TEXT = "<|endoftext|>"
 # `vllm` as this interpreter runs it (the GPU machine carries vLLM on PYTHONPATH, no console script)

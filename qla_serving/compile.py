@@ -20,11 +20,11 @@ import torch
 from .warmup import WarmupConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# What each engine's adapter hands the prefill kernels (integrations/*/warmup.py), first the mode it
-# serves with, then the prefill-only modes a flag can pick: vLLM normalises q and k in its own fused
-# kernel first, or (QLA_PREFILL_PACKED) hands over its conv output and raw gates; SGLang leaves the
-# normalisation to ours.
-ENGINE_PREFILL = {"vllm": ({"prefill_qk_l2norm": False}, {"prefill_qk_l2norm": False, "prefill_packed": True}),
+# What each engine's adapter hands the prefill kernels (integrations/*/warmup.py): first its classic
+# call's mode, then further prefill-only modes, each applied over the first. vLLM normalises q and k
+# in its own fused kernel first, or (QLA_PREFILL_PACKED, the default) hands over its conv output and
+# raw gates; SGLang leaves the normalisation to ours.
+ENGINE_PREFILL = {"vllm": ({"prefill_qk_l2norm": False}, {"prefill_packed": True}),
                   "sglang": ({"prefill_qk_l2norm": True},)}
 
 

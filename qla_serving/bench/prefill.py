@@ -123,13 +123,13 @@ def roofline_ms(lens, hqk, hv, tflops, copy_gbs) -> float:
     return 1e3 * max(flops / (tflops * 1e12), min_bytes(lens, hqk, hv) / (copy_gbs * 1e9))
 
 
-def runner_qla(x, hqk, hv, autocp=True):
-    from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd, warmup
+def _pool_call_buffers(x, hv, autocp=True):
+    """What our pool-form prefill is called with in a cell: the plan (the planner decides AutoCP
+    from the lengths, the head count and the SM count), a pool holding the cell's initial states
+    at slots 1..N, the slots, has-initial-state, the output, and the final states' view."""
     from qla_serving.plan import plan_prefill
 
-    warmup(hqk, hv, dtype=x["q"].dtype, beta_dtype=x["beta"].dtype, pool_dtype=torch.float32, use_qk_l2norm=True)
     N = len(x["cu"]) - 1
-    # the planner decides AutoCP from the lengths, the head count and the SM count
     plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=None if autocp else 0)
     pool = torch.empty(N + 1, hv, V, K, device="cuda")
     idx = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
@@ -137,6 +137,14 @@ def runner_qla(x, hqk, hv, autocp=True):
     out = torch.empty_like(x["v"])
     pool[1:].copy_(x["h0"])  # the state then evolves in place call after call (decays keep it bounded)
     final_state = pool[1:]  # (a view made once: nothing added to the timed call)
+    return plan, pool, idx, has_init, out, final_state
+
+
+def runner_qla(x, hqk, hv, autocp=True):
+    from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd, warmup
+
+    warmup(hqk, hv, dtype=x["q"].dtype, beta_dtype=x["beta"].dtype, pool_dtype=torch.float32, use_qk_l2norm=True)
+    plan, pool, idx, has_init, out, final_state = _pool_call_buffers(x, hv, autocp)
 
     def fn():
         chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, plan=plan,
@@ -153,7 +161,6 @@ def runner_qla_packed(x, hqk, hv):
     packed-inputs kernels, whose ``prep`` splits, normalises and gates, so no preparation pass runs
     before them (``qla`` is timed without the one it needs)."""
     from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd_packed, warmup
-    from qla_serving.plan import plan_prefill
 
     dtype, T = x["q"].dtype, x["q"].shape[0]
     qkv = torch.cat([x["q"].reshape(T, -1), x["k"].reshape(T, -1), x["v"].reshape(T, -1)], dim=1)
@@ -161,14 +168,7 @@ def runner_qla_packed(x, hqk, hv):
     a, b = ab[:, :hv], ab[:, hv:]
     dt_bias = x["dt_bias"].to(dtype)
     warmup(hqk, hv, dtype=dtype, pool_dtype=torch.float32, packed_gate_dtypes=(x["A_log"].dtype, dtype))
-    N = len(x["cu"]) - 1
-    plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv)
-    pool = torch.empty(N + 1, hv, V, K, device="cuda")
-    idx = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
-    has_init = torch.ones(N, dtype=torch.bool, device="cuda")
-    out = torch.empty_like(x["v"])
-    pool[1:].copy_(x["h0"])
-    final_state = pool[1:]
+    plan, pool, idx, has_init, out, final_state = _pool_call_buffers(x, hv)
 
     def fn():
         chunk_gated_delta_rule_fwd_packed(qkv, a, b, x["A_log"], dt_bias, num_qk_heads=hqk, a_stride=2 * hv,
