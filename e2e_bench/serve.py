@@ -577,6 +577,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
     logf = work / f"server-{backend}{sfx}.log"
     cmd = server_command(s, backend, args.server_arg + profiler_args(s, args, work / f"trace-{backend}{sfx}"))
     env = backend_env(backend, s.tp, s.engine)
+    if args.profile and s.engine == "vllm":
+        env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the model runner's host scopes in the trace
     log(f"start {s.engine} {backend} tp{s.tp}: {shlex.join(cmd)}")
     server = Server(cmd, env, logf, s.port)
     proc = None
@@ -711,9 +713,16 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, client: Clie
             texts.append(prof.markdown(f"{backend} {workload} c{conc} — {t.name}", summ, args.profile_steps))
             if "trace" in out:
                 continue  # the numbers below are the first rank's (every rank's are in the markdown)
-            out.update(trace=t.name, kernel_ms_per_step=summ["kernel_us_total"] / 1e3 / args.profile_steps,
-                       gdn_ms_per_step={k: v / 1e3 / args.profile_steps for k, v in summ["gdn_us"].items()},
-                       gdn_op_host_us=summ["gdn_op_host_us"])
+            per = 1e3 * args.profile_steps
+            host_steps = summ["host_steps"] or args.profile_steps  # the scopes count the steps they saw
+            out.update(trace=t.name, kernel_ms_per_step=summ["kernel_us_total"] / per,
+                       gpu_span_ms_per_step=summ["gpu_span_us"] / per, no_kernel_ms_per_step=summ["gpu_idle_us"] / per,
+                       gdn_ms_per_step={k: v / per for k, v in summ["gdn_us"].items()},
+                       gdn_op_host_us=summ["gdn_op_host_us"], host_steps=summ["host_steps"],
+                       step_period_ms=None if summ["step_period_us"] is None else summ["step_period_us"] / 1e3,
+                       host_ms_per_step={k: v / 1e3 / host_steps for k, v in summ["host_scopes_us"].items()},
+                       runtime_per_step={k: [us / 1e3 / host_steps, c / host_steps]
+                                         for k, (us, c) in list(summ["runtime_us"].items())[:8]})
     if len(ranks) > 1:
         texts.insert(0, prof.ranks_table(ranks, args.profile_steps))
         out["ranks_ms_per_step"] = {name: {"kernels": s["kernel_us_total"] / 1e3 / args.profile_steps,
@@ -882,6 +891,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines += [f"| {a['workload']} | {a['concurrency']} | {a['best']} | {a['total_tok_s']:.3f}x | "
                   f"{a['output_tok_s']:.3f}x | {a['mean_ttft']:.3f}x | {a['mean_tpot']:.3f}x |" for a in ratios]
         lines.append("")
+    lines += profiles_markdown(meta)
     spread = [r for r in rows if r.get("spread")]
     if spread:
         lines += ["## Spread over runs", "",
@@ -919,6 +929,40 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                          f"{fmt(r.get('power_w_mean'), 0)} | {', '.join(r.get('clock_limits') or []) or '—'} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def profiles_markdown(meta: dict) -> list[str]:
+    """The profiled servers side by side (``--profile``): GPU and host time per step, first rank."""
+    profiled = [b for b in meta.get("backends") or [] if (b.get("profile") or {}).get("trace")]
+    if not profiled:
+        return []
+    scopes = list(dict.fromkeys(k for b in profiled for k in b["profile"].get("host_ms_per_step") or {}))
+    fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [f"## Profiles ({meta.get('profile')}, ms per step, first rank)", "",
+             "GPU: kernel time, the span from the first kernel to the last and its time with no kernel "
+             "running, the GDN recurrence (prefill and decode). Host: the median period from one step's "
+             "start to the next and vLLM's model-runner scopes.", "",
+             "| backend | GPUs | kernels | GPU span | no kernel | GDN recurrence | step period | "
+             + " | ".join(scopes) + " |", "|---|---|---|---|---|---|---|" + "---|" * len(scopes)]
+    for b in profiled:
+        pr = b["profile"]
+        rec = sum(v for k, v in (pr.get("gdn_ms_per_step") or {}).items() if k.startswith("recurrence"))
+        host = pr.get("host_ms_per_step") or {}
+        name = b["backend"] + (f" (sample {b['sample']})" if b.get("sample", 1) != 1 else "")
+        lines.append(f"| {name} | {b.get('visible_gpus', 'all')} | {fmt(pr.get('kernel_ms_per_step'))} | "
+                     f"{fmt(pr.get('gpu_span_ms_per_step'))} | {fmt(pr.get('no_kernel_ms_per_step'))} | {fmt(rec)} | "
+                     f"{fmt(pr.get('step_period_ms'))} | " + " | ".join(fmt(host.get(k)) for k in scopes) + " |")
+    calls = list(dict.fromkeys(k for b in profiled for k in b["profile"].get("runtime_per_step") or {}))
+    if calls:
+        lines += ["", "| CUDA runtime call: host ms (calls) per step | " + " | ".join(b["backend"] for b in profiled)
+                  + " |", "|---|" + "---|" * len(profiled)]
+        for c in calls:
+            cells = []
+            for b in profiled:
+                v = (b["profile"].get("runtime_per_step") or {}).get(c)
+                cells.append("—" if v is None else f"{v[0]:.3f} ({v[1]:.1f})")
+            lines.append(f"| `{c}` | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def against_best(rows: list[dict], ours: str = "flashqla", versus: str | None = None) -> list[dict]:
@@ -1151,7 +1195,7 @@ def main(argv=None) -> int:
                                                    f"{args.agree_tokens} greedy tokens, one request at a time",
         "prompts": f"max({args.min_prompts}, {args.prompts_per_concurrency} x concurrency) per point, "
                    f"{args.warmups} warm-up requests (at most the concurrency)",
-        "repeats": args.repeats,
+        "repeats": args.repeats, "profile": args.profile or None,
         "server_warmup": (f"{args.workloads[0]} at concurrency {max(args.concurrency)}, {max(args.concurrency)} prompts, "
                           "once per server, unmeasured"
                           if args.server_warmup else "none"),

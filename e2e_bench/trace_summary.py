@@ -4,8 +4,12 @@
 profiler (``--profiler-config``, a window of engine steps in the middle of that point) and this
 module reads the Chrome traces it writes (``*.pt.trace.json.gz``): GPU kernel time by kernel
 name, the GDN layer's share (the kernels that :data:`GDN_PATTERNS` name), kernel time per engine
-step, and the host time of each GDN custom-op call (``vllm::qwen_gdn_attention_core``, on the
-host only where the step runs outside a full CUDA graph).
+step, the host time of each GDN custom-op call (``vllm::qwen_gdn_attention_core``, on the
+host only where the step runs outside a full CUDA graph), and the host side of a step: vLLM's
+model-runner scopes (``gpu_model_runner: preprocess`` ..., recorded with
+``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``, which the serving harness sets when it profiles), the
+period between two steps' starts, and the CUDA runtime calls (a device-to-host sync shows
+there as ``cudaStreamSynchronize``, ``cudaMemcpy`` or ``cudaEventSynchronize`` time).
 
     python -m e2e_bench.trace_summary TRACE_DIR [--label flashqla] [--out summary.md]
 """
@@ -37,6 +41,10 @@ GDN_OP = "vllm::qwen_gdn_attention_core"
 # Collective kernels (NCCL's, vLLM's and FlashInfer's all-reduce): at TP > 1 a rank whose step
 # starts late holds the others inside these, so their time says which rank waits.
 COMM_PATTERN = re.compile(r"nccl|all_?reduce|cross_device_reduce|allgather|reduce_?scatter", re.I)
+# vLLM's model-runner scopes: one "preprocess" per engine step starts the step on the host
+RUNNER_SCOPE = "gpu_model_runner: "
+STEP_SCOPE = RUNNER_SCOPE + "preprocess"
+RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 
 
 def load_trace(path: pathlib.Path) -> list[dict]:
@@ -77,6 +85,23 @@ def summarize(events: list[dict], top: int = 25) -> dict:
         last = ts + dur if last is None else max(last, ts + dur)
     host = [float(e["dur"]) for e in events
             if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and e.get("name") == GDN_OP]
+    scopes = collections.Counter()
+    runtime = collections.Counter()
+    runtime_calls = collections.Counter()
+    step_starts = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, name = e.get("cat"), e.get("name", "?")
+        if cat == "user_annotation" and name.startswith(RUNNER_SCOPE):
+            scopes[name[len(RUNNER_SCOPE):]] += float(e.get("dur", 0.0))
+            if name == STEP_SCOPE:
+                step_starts.append(float(e.get("ts", 0.0)))
+        elif cat in RUNTIME_CATS:
+            runtime[name] += float(e.get("dur", 0.0))
+            runtime_calls[name] += 1
+    step_starts.sort()
+    periods = [b - a for a, b in zip(step_starts, step_starts[1:])]
     total = sum(kernels.values())
     span = (last - first) if first is not None else 0.0
     return {
@@ -90,6 +115,12 @@ def summarize(events: list[dict], top: int = 25) -> dict:
         "top": [(n, kernels[n], counts[n]) for n, _ in kernels.most_common(top)],
         "gdn_op_host_us": {"calls": len(host), "median": statistics.median(host) if host else None,
                            "mean": statistics.fmean(host) if host else None},
+        # host side: vLLM's runner scopes (us, summed), steps seen by them and the median
+        # period between two steps' starts, CUDA runtime calls (us, calls)
+        "host_scopes_us": dict(scopes.most_common()),
+        "host_steps": len(step_starts),
+        "step_period_us": statistics.median(periods) if periods else None,
+        "runtime_us": {n: (us, runtime_calls[n]) for n, us in runtime.most_common(top)},
     }
 
 
@@ -117,9 +148,28 @@ def markdown(label: str, s: dict, steps: int | None = None) -> str:
     h = s["gdn_op_host_us"]
     if h["calls"]:
         lines += ["", f"`{GDN_OP}` host time: {h['calls']} calls, median {h['median']:.1f} us, mean {h['mean']:.1f} us"]
+    lines += host_markdown(s)
     lines += ["", "| kernel | ms | calls | GDN part |", "|---|---|---|---|"]
     lines += [f"| `{n[:90]}` | {us / 1e3:.2f} | {c} | {classify(n) or ''} |" for n, us, c in s["top"]]
     return "\n".join(lines) + "\n"
+
+
+def host_markdown(s: dict) -> list[str]:
+    """The host side of the window: vLLM's runner scopes and CUDA runtime calls, per step where
+    the scopes counted the steps."""
+    steps = s.get("host_steps") or 0
+    div, unit = (steps, "per step") if steps else (1, "in all")
+    lines = []
+    if s.get("host_scopes_us"):
+        period = s.get("step_period_us")
+        lines += ["", f"Host: {steps} steps, median {period / 1e3:.3f} ms from one step's start to the next"
+                  if period else f"Host: {steps} steps", "",
+                  f"| vLLM runner scope | host ms {unit} |", "|---|---|"]
+        lines += [f"| {n} | {us / div / 1e3:.3f} |" for n, us in s["host_scopes_us"].items()]
+    if s.get("runtime_us"):
+        lines += ["", f"| CUDA runtime call | host ms {unit} | calls {unit} |", "|---|---|---|"]
+        lines += [f"| `{n}` | {us / div / 1e3:.3f} | {c / div:.1f} |" for n, (us, c) in s["runtime_us"].items()]
+    return lines
 
 
 def ranks_table(summaries: list[tuple[str, dict]], steps: int | None = None) -> str:

@@ -256,6 +256,26 @@ def test_profile_summary_names_the_rank_that_waits_in_collectives(tmp_path):
     assert out.read_text().startswith("| trace |") and "collectives 0.6 ms" in out.read_text()
 
 
+def test_profile_summary_times_the_host_side_of_a_step(tmp_path):
+    """vLLM's model-runner scopes per step, the period between two steps' starts and the CUDA
+    runtime calls (a sync shows there), from the worker's host events."""
+    ev = []
+    for step, start in enumerate((0, 3000, 6500)):
+        ev += [{"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: preprocess", "ts": start, "dur": 200},
+               {"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: forward", "ts": start + 200, "dur": 100},
+               {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": start + 210, "dur": 30},
+               {"ph": "X", "cat": "gpu_user_annotation", "name": "gpu_model_runner: forward", "ts": start, "dur": 900}]
+    ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 7000, "dur": 600})
+    ev.append({"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": 0, "dur": 900})
+    s = profile.summarize(ev)
+    assert s["host_steps"] == 3 and s["step_period_us"] == 3250
+    assert s["host_scopes_us"] == {"preprocess": 600, "forward": 300}  # the GPU-side annotation is not host time
+    assert s["runtime_us"]["cudaGraphLaunch"] == (90, 3) and s["runtime_us"]["cudaStreamSynchronize"] == (600, 1)
+    md = profile.markdown("x", s, steps=3)
+    assert "median 3.250 ms from one step's start to the next" in md
+    assert "| preprocess | 0.200 |" in md and "| `cudaStreamSynchronize` | 0.200 | 0.3 |" in md
+
+
 @pytest.mark.parametrize("name, part", [
     ("void vllm::moe::topkGating<16, 512, 4, 16, 32, int, __nv_bfloat16>", None),  # the MoE router
     ("fused_gdn_gating_kernel", "post-conv prep"),
@@ -534,6 +554,27 @@ def test_profile_point_reports_the_first_rank_and_keeps_every_rank(tmp_path, mon
     assert ranks[next(n for n in ranks if "tp1" in n)]["collectives"] == pytest.approx(0.499)
     assert ranks[next(n for n in ranks if "tp0" in n)]["collectives"] == pytest.approx(0.099)
     assert md.startswith("| trace |")
+    assert out["gpu_span_ms_per_step"] == pytest.approx(0.1) and out["step_period_ms"] is None
+
+
+def test_results_put_the_profiled_servers_side_by_side():
+    meta = {"engine": "vllm", "tp": 1, "profile": "retrieval:1", "backends": [
+        {"backend": "flashqla", "visible_gpus": "0", "profile": {
+            "trace": "t0", "kernel_ms_per_step": 2.0, "gpu_span_ms_per_step": 2.5, "no_kernel_ms_per_step": 0.5,
+            "gdn_ms_per_step": {"recurrence (decode)": 0.02, "conv1d": 0.01}, "step_period_ms": 2.6,
+            "host_ms_per_step": {"preprocess": 0.4, "forward": 0.1},
+            "runtime_per_step": {"cudaGraphLaunch": [0.03, 1.0]}}},
+        {"backend": "triton", "visible_gpus": "1", "sample": 2, "profile": {
+            "trace": "t1", "kernel_ms_per_step": 2.0, "gpu_span_ms_per_step": 2.3, "no_kernel_ms_per_step": 0.3,
+            "gdn_ms_per_step": {"recurrence (decode)": 0.03}, "step_period_ms": 2.4,
+            "host_ms_per_step": {"preprocess": 0.3, "sample": 0.2}, "runtime_per_step": {}}},
+        {"backend": "flashinfer", "visible_gpus": "2"}]}
+    md = "\n".join(serve.profiles_markdown(meta))
+    assert "## Profiles (retrieval:1, ms per step, first rank)" in md
+    assert "| flashqla | 0 | 2.000 | 2.500 | 0.500 | 0.020 | 2.600 | 0.400 | 0.100 | — |" in md
+    assert "| triton (sample 2) | 1 | 2.000 | 2.300 | 0.300 | 0.030 | 2.400 | 0.300 | — | 0.200 |" in md
+    assert "| `cudaGraphLaunch` | 0.030 (1.0) | — |" in md and "flashinfer" not in md
+    assert serve.profiles_markdown({"backends": [{"backend": "triton"}]}) == []
 
 
 def test_agreement_falls_back_to_a_built_in_backend_when_the_reference_did_not_run():

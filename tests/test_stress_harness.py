@@ -463,6 +463,12 @@ def _stand_in_runs(monkeypatch, work, requests: int, max_prompt: int) -> list[st
             "--backends", "flashqla", "--work-dir", str(work)]
 
 
+def _failed_rows(out_dir) -> str:
+    """The rows of a stand-in run's results that failed it (for an assertion's message)."""
+    rows = [r for path in pathlib.Path(out_dir).glob("*.json") for r in json.loads(path.read_text()).get("rows", [])]
+    return json.dumps([r for r in rows if stress.row_failed(r)] or rows or "no results file", indent=1)[:4000]
+
+
 def test_runs_side_by_side_share_the_oracle_and_are_collected(tmp_path, monkeypatch):
     """stress-split: a spec server starts at once beside the run that makes the oracle, and waits for
     its tokens only to compare; --collect then writes every part; without an oracle a row fails."""
@@ -477,10 +483,10 @@ def test_runs_side_by_side_share_the_oracle_and_are_collected(tmp_path, monkeypa
     while "server-flashqla-spec2" not in _StandInServer.starts and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _StandInServer.starts == ["server-flashqla-spec2"]  # no oracle server of its own
-    assert stress.main([*common, "--phase", "stress", "--port", str(_free_port()),
-                        "--out-dir", str(tmp_path / "part-0")]) == 0
+    rc = stress.main([*common, "--phase", "stress", "--port", str(_free_port()), "--out-dir", str(tmp_path / "part-0")])
+    assert rc == 0, _failed_rows(tmp_path / "part-0")
     beside.join(60)
-    assert spec_rc == [0]
+    assert spec_rc == [0], _failed_rows(tmp_path / "part-1")
     assert sorted(_StandInServer.starts) == ["server-flashqla-oracle", "server-flashqla-spec2", "server-flashqla-stress"]
     n = len(_StandInServer.starts)
     assert stress.main([*common, "--collect", "--out-dir", str(tmp_path / "out")]) == 0
