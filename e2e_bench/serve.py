@@ -79,6 +79,19 @@ def log(msg: str) -> None:
     print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def cpu_set() -> str:
+    """The CPUs this process (and the servers it starts) may run on, as ranges: servers side by
+    side share the host, and a concurrency-1 step is host-bound (docs/e2e.md, "Host time")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    ranges, start = [], None
+    for i, c in enumerate(cpus):
+        start = c if start is None else start
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            ranges.append(f"{start}-{c}" if c != start else f"{c}")
+            start = None
+    return f"{','.join(ranges)} ({len(cpus)})"
+
+
 # ----------------------------------------------------------------------------- models
 
 
@@ -583,7 +596,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
     server = Server(cmd, env, logf, s.port)
     proc = None
     info: dict = {"backend": backend, "sample": args.server_sample, "command": shlex.join(cmd),
-                  "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") or "all"}
+                  "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") or "all", "cpus": cpu_set()}
     rows: list[dict] = []
     client = Client(s.engine, env)
     try:
@@ -938,6 +951,7 @@ def profiles_markdown(meta: dict) -> list[str]:
         return []
     scopes = list(dict.fromkeys(k for b in profiled for k in b["profile"].get("host_ms_per_step") or {}))
     fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
+    label = lambda b: b["backend"] + (f" (sample {b['sample']})" if b.get("sample", 1) != 1 else "")  # noqa: E731
     lines = [f"## Profiles ({meta.get('profile')}, ms per step, first rank)", "",
              "GPU: kernel time, the span from the first kernel to the last and its time with no kernel "
              "running, the GDN recurrence (prefill and decode). Host: the median period from one step's "
@@ -948,13 +962,12 @@ def profiles_markdown(meta: dict) -> list[str]:
         pr = b["profile"]
         rec = sum(v for k, v in (pr.get("gdn_ms_per_step") or {}).items() if k.startswith("recurrence"))
         host = pr.get("host_ms_per_step") or {}
-        name = b["backend"] + (f" (sample {b['sample']})" if b.get("sample", 1) != 1 else "")
-        lines.append(f"| {name} | {b.get('visible_gpus', 'all')} | {fmt(pr.get('kernel_ms_per_step'))} | "
+        lines.append(f"| {label(b)} | {b.get('visible_gpus', 'all')} | {fmt(pr.get('kernel_ms_per_step'))} | "
                      f"{fmt(pr.get('gpu_span_ms_per_step'))} | {fmt(pr.get('no_kernel_ms_per_step'))} | {fmt(rec)} | "
                      f"{fmt(pr.get('step_period_ms'))} | " + " | ".join(fmt(host.get(k)) for k in scopes) + " |")
     calls = list(dict.fromkeys(k for b in profiled for k in b["profile"].get("runtime_per_step") or {}))
     if calls:
-        lines += ["", "| CUDA runtime call: host ms (calls) per step | " + " | ".join(b["backend"] for b in profiled)
+        lines += ["", "| CUDA runtime call: host ms (calls) per step | " + " | ".join(label(b) for b in profiled)
                   + " |", "|---|" + "---|" * len(profiled)]
         for c in calls:
             cells = []
@@ -1135,6 +1148,7 @@ def main(argv=None) -> int:
                   f"({spec['linear_num_key_heads'] // args.tp}/{spec['linear_num_value_heads'] // args.tp} per rank), "
                   f"{spec['num_experts']} experts top-{spec['num_experts_per_tok']}, dummy weights with GDN gates "
                   f"re-drawn, state dtype {spec.get('state_dtype') or 'engine default'}")
+    log(f"CPUs: {cpu_set()}")
     if args.dry_run:
         log(f"model: {model_text}")
         for b in backends:

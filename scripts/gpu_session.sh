@@ -16,6 +16,9 @@
 # ...", each server with the common QLA_SERVE_ARGS, its own port and vLLM cache; then one results file
 # of them all in $OUT, each backend row naming its GPU; each run's log in serve-logs.tar.xz as
 # qla-serve-split-gpu<GPU>-<BACKEND>.log: the lent machine returns few files per call).
+# QLA_SPLIT_CPUS=even gives each slot of serve-split / stress-split an equal share of the CPUs of its
+# own (taskset), so that servers side by side do not run on each other's cores (a concurrency-1 step
+# is host-bound: docs/e2e.md, "Host time").
 # stress (the reliability harness, e2e_bench/stress.py, arguments in QLA_STRESS_ARGS; logs back as
 # $OUT/stress-logs.tar.xz).
 # stress-split (the reliability harness's servers side by side: QLA_STRESS_SPLIT="GPUS:BACKEND:PHASE[:K,K...|:I/N] ...",
@@ -60,7 +63,9 @@ stop_leftover_servers() {
 }
 side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's matches shown, default all]
   local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out
-  local -a extra
+  local -a extra pin cpus
+  mapfile -t cpus < <(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)), sep='\n')")
+  local per=$((${#cpus[@]} / $(wc -w <<<"$slots")))
   stop_leftover_servers
   rm -f /tmp/$prefix-*.log  # an earlier call's, on a machine kept warm
   python3 -m "$module" $args --dry-run >/dev/null  # the model's files, before any server reads them
@@ -74,7 +79,13 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
       [[ $phase != spec ]] || extra+=(--spec-tokens ${ks//,/ } --wait-oracle 900)
       [[ $phase != oracle || -z $ks ]] || extra+=(--oracle-shard "$ks")
     fi
-    CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-} python3 -m "$module" $args \
+    pin=()
+    if [[ -n ${QLA_SPLIT_CPUS:-} ]]; then
+      [[ $QLA_SPLIT_CPUS == even ]] && ((per > 0)) \
+        || { echo "QLA_SPLIT_CPUS=$QLA_SPLIT_CPUS: 'even' is the one split, with a CPU per slot at least (${#cpus[@]} CPUs)"; return 2; }
+      pin=(taskset -c "$(IFS=,; echo "${cpus[*]:i * per:per}")")
+    fi
+    CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-} "${pin[@]}" python3 -m "$module" $args \
       --backends "$backend" "${extra[@]}" --port $((8321 + 100 * i)) --out-dir "$out" >"$log" 2>&1 &
     i=$((i + 1))
   done
@@ -138,7 +149,7 @@ for step in "$@"; do
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
     serve-split)
       ( side_by_side e2e_bench.serve "${QLA_SERVE_ARGS:-}" "${QLA_SERVE_SPLIT:?GPU:BACKEND[:SAMPLE] ...}" \
-          qla-serve-split "healthy|warm-up|point|FAILED|budget"
+          qla-serve-split "CPUs|healthy|warm-up|point|FAILED|budget"
         rc=$?
         tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pathlib
+import shutil
+import subprocess
 import sys
 
 import pytest
 
 from e2e_bench import serve
 from e2e_bench import trace_summary as profile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_workloads_are_the_issues():
@@ -573,6 +578,7 @@ def test_results_put_the_profiled_servers_side_by_side():
     assert "## Profiles (retrieval:1, ms per step, first rank)" in md
     assert "| flashqla | 0 | 2.000 | 2.500 | 0.500 | 0.020 | 2.600 | 0.400 | 0.100 | — |" in md
     assert "| triton (sample 2) | 1 | 2.000 | 2.300 | 0.300 | 0.030 | 2.400 | 0.300 | — | 0.200 |" in md
+    assert "| CUDA runtime call: host ms (calls) per step | flashqla | triton (sample 2) |" in md
     assert "| `cudaGraphLaunch` | 0.030 (1.0) | — |" in md and "flashinfer" not in md
     assert serve.profiles_markdown({"backends": [{"backend": "triton"}]}) == []
 
@@ -590,3 +596,40 @@ def test_agreement_falls_back_to_a_built_in_backend_when_the_reference_did_not_r
     text = serve.markdown({"engine": "vllm", "tp": 1, "gpus": 1, "gpu": "H100", "reference": "flashinfer",
                            "agreement": "8 prompts", "backends": [{"backend": "flashqla"}]}, [])
     assert "Reference for agreement: flashinfer; 8 prompts." in text
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs taskset and two CPUs")
+def test_servers_side_by_side_get_cpus_of_their_own(tmp_path):
+    """serve-split with QLA_SPLIT_CPUS=even: each slot's harness (and the server it starts) runs on
+    an equal share of the CPUs, disjoint from the other slots' (here dry runs, which log their set)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "QLA_STAGE": str(tmp_path / "stage"), "QLA_SPLIT_CPUS": "even",
+           "QLA_SERVE_SPLIT": "0:flashqla 1:triton",
+           "QLA_SERVE_ARGS": ("--engine vllm --model qwen3-next-80b-a3b --layers 8 --workloads short --concurrency 1 "
+                              f"--dry-run --work-dir {tmp_path / 'work'}")}
+    run = lambda: subprocess.run(["bash", str(REPO / "scripts/gpu_session.sh"), "serve-split"], env=env,  # noqa: E731
+                                 capture_output=True, text=True, timeout=300, check=False)
+    r = run()
+    assert r.returncode == 0, r.stdout + r.stderr
+    per = len(cpus) // 2
+    sets = [line.split("CPUs: ")[1] for line in r.stdout.splitlines() if "] CPUs: " in line]
+    assert sets[:2] == [_cpu_text(cpus[:per]), _cpu_text(cpus[per:2 * per])], r.stdout
+    env["QLA_SPLIT_CPUS"] = "odd"
+    r = run()
+    assert r.returncode != 0 and "'even' is the one split" in r.stdout
+
+
+def _cpu_text(cpus: list[int]) -> str:
+    """The expected log text of a CPU set: ranges of consecutive CPUs, then the count."""
+    ranges, start = [], cpus[0]
+    for a, b in zip(cpus, cpus[1:] + [None]):
+        if b != a + 1:
+            ranges.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return f"{','.join(ranges)} ({len(cpus)})"
+
+
+def test_the_harness_names_its_cpus_as_ranges(monkeypatch):
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 8, 10, 11})
+    assert serve.cpu_set() == "0-3,8,10-11 (7)"
