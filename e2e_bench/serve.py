@@ -583,6 +583,51 @@ def backend_env(backend: str, tp: int = 1, engine: str = "vllm") -> dict:
     return env
 
 
+class Lockstep:
+    """Servers side by side (serve-split) measure each point at the same time.
+
+    A concurrency-1 step is host-bound, and servers on one host slow each other down: a point
+    measured while the other slot's server still compiles at start-up, or after it has stopped,
+    is not comparable with that server's (docs/e2e.md, "Host time"). With ``--lockstep ID:N``
+    each of the N slots waits, before its warm-up, every point and its profile, until all N
+    have arrived there or left (a slot whose server failed, or that ran out of budget, leaves),
+    through files in ``WORK/lockstep-ID``.
+    """
+
+    def __init__(self, spec: str, work: pathlib.Path, me: str):
+        self.n = 0
+        if spec:
+            ident, _, n = spec.rpartition(":")
+            if not ident or not n.isdigit() or int(n) < 1:
+                raise ValueError(f"--lockstep {spec!r}: expected ID:N (N slots, at least 1)")
+            self.n, self.dir, self.me = int(n), work / f"lockstep-{ident}", me
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _gone(self) -> set[str]:
+        return {p.name[len("gone-"):] for p in self.dir.glob("gone-*")}
+
+    def wait(self, key: str, deadline: float) -> float | None:
+        """Arrive at ``key`` and wait for the others; the seconds waited (None when off or when
+        the deadline came first, which the log names)."""
+        if not self.n:
+            return None
+        here = self.dir / key
+        here.mkdir(parents=True, exist_ok=True)
+        (here / self.me).touch()
+        t0 = time.monotonic()
+        while len({p.name for p in here.iterdir()} | self._gone()) < self.n:
+            if time.monotonic() > deadline:
+                log(f"lockstep: {key} reached by {len(list(here.iterdir()))} of {self.n} slots by the deadline; going on")
+                return None
+            time.sleep(0.2)
+        return round(time.monotonic() - t0, 1)
+
+    def leave(self) -> None:
+        """This slot measures nothing more: the others stop waiting for it."""
+        if self.n:
+            (self.dir / f"gone-{self.me}").touch()
+
+
 def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[list[int]],
                 budget_end: float) -> tuple[list[dict], dict]:
     """Start one server, measure every point, stop it. Returns (rows, info)."""
@@ -599,6 +644,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                   "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") or "all", "cpus": cpu_set()}
     rows: list[dict] = []
     client = Client(s.engine, env)
+    lockstep = Lockstep(args.lockstep, work, f"{backend}{sfx}-port{s.port}")
+    deadline = budget_end if budget_end != float("inf") else time.monotonic() + 3600
     try:
         healthy = server.start(min(args.start_timeout, max(0, budget_end - time.monotonic())))
         proc, t0 = server.proc, server.started
@@ -615,6 +662,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                 info["agree_error"] = f"{type(e).__name__}: {e}"
                 log(f"agreement requests failed on {backend}: {info['agree_error']}")
         if args.server_warmup and args.workloads and args.concurrency:
+            lockstep.wait("warm-up", deadline)
             warm_up_server(s, backend, args, work, client, info, sfx)
         # every point once per round, the rounds one after another: a drift over the server's life
         # spreads over all points instead of landing on the last ones
@@ -631,13 +679,15 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                     res = work / f"client-{name}.json"
                     ccmd = client_command(s, workload, conc, n, str(res), warmups=min(conc, args.warmups))
                     res.unlink(missing_ok=True)  # an earlier call's file must not stand in for this point
+                    waited = lockstep.wait(f"r{rnd + 1}-{workload}-c{conc}", deadline)
                     t1 = time.monotonic()
                     with ClockSampler(work / f"clocks-{name}.csv") as clocks:
                         rc, err = client.run(ccmd, work / f"client-{name}.log")
                     input_len, output_len = WORKLOADS[workload]
                     row = {"engine": s.engine, "backend": backend, "tp": s.tp, "workload": workload,
                            "input_len": input_len, "output_len": output_len, "concurrency": conc, "num_prompts": n,
-                           "startup_s": info["startup_s"], "sample": args.server_sample, "round": rnd + 1}
+                           "startup_s": info["startup_s"], "sample": args.server_sample, "round": rnd + 1,
+                           **({"lockstep_wait_s": waited} if lockstep.n else {})}
                     if rc != 0 or not res.is_file():
                         row["error"] = f"client exit {rc}: {err or ''} {tail(work / f'client-{name}.log', 5)}"
                     else:
@@ -660,11 +710,13 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                         return rows, info
         if args.profile and proc.poll() is None:
             if budget_end - time.monotonic() > PROFILE_MIN_S:
+                lockstep.wait("profile", deadline)
                 info["profile"] = profile_point(s, backend, args, work, client)
             else:
                 log(f"budget spent: the {args.profile} profile of {backend} left out")
                 info.setdefault("left_out", []).append(f"profile {args.profile}")
     finally:
+        lockstep.leave()
         text = server.log_text()
         info["resolved"] = resolve_default(s.engine, text) if backend == "default" else backend
         info["fallback"] = any(mark in text for mark in FALLBACK_MARKS)
@@ -1090,6 +1142,9 @@ def parse_args(argv):
                         "--profile-steps steps after --profile-delay) and summarise the trace (e2e_bench/trace_summary.py)")
     p.add_argument("--profile-delay", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=20)
+    p.add_argument("--lockstep", default="", metavar="ID:N",
+                   help="one of N servers side by side (serve-split sets it): wait for the others before the "
+                        "warm-up, each point and the profile, so that all measure at the same time")
     p.add_argument("--tag", default="")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--work-dir", default="", help="servers' logs, client results and each backend's rows; "

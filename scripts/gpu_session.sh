@@ -64,6 +64,8 @@ stop_leftover_servers() {
 side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's matches shown, default all]
   local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out
   local -a extra pin cpus
+  local stamp
+  stamp=$(date +%s%N)
   mapfile -t cpus < <(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)), sep='\n')")
   local per=$((${#cpus[@]} / $(wc -w <<<"$slots")))
   stop_leftover_servers
@@ -72,7 +74,10 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
   for slot in $slots; do
     IFS=: read -r gpus backend rest <<<"$slot"
     if [[ $module == e2e_bench.serve ]]; then
-      extra=(--server-sample "${rest:-1}") out=/tmp/qla-split-$i log=/tmp/$prefix-gpu$gpus-$backend.log
+      # the servers measure each point at the same time (a server measured alone, or beside another's
+      # start-up, is not comparable: docs/e2e.md, "Host time")
+      extra=(--server-sample "${rest:-1}" --lockstep "$stamp:$(wc -w <<<"$slots")")
+      out=/tmp/qla-split-$i log=/tmp/$prefix-gpu$gpus-$backend.log
     else
       IFS=: read -r phase ks <<<"$rest"
       extra=(--phase "$phase") out=/tmp/$prefix-out-$i log=/tmp/$prefix-${gpus//,/-}-$backend-$phase.log

@@ -11,6 +11,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import time
 import sys
 
 import pytest
@@ -633,3 +634,27 @@ def _cpu_text(cpus: list[int]) -> str:
 def test_the_harness_names_its_cpus_as_ranges(monkeypatch):
     monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 8, 10, 11})
     assert serve.cpu_set() == "0-3,8,10-11 (7)"
+
+
+def test_servers_side_by_side_measure_each_point_together(tmp_path):
+    """--lockstep ID:N: a slot waits at each point until every slot has arrived there or left; a
+    slot whose server failed leaves at once and is not waited for; a deadline ends a wait."""
+    import threading
+
+    ls = {name: serve.Lockstep("run1:3", tmp_path, name) for name in ("a", "b", "c")}
+    ls["c"].leave()  # its server did not start
+    waited = {}
+    late = threading.Thread(target=lambda: (time.sleep(1.0), waited.update(b=ls["b"].wait("r1-chat-c1", time.monotonic() + 30))))
+    late.start()
+    waited["a"] = ls["a"].wait("r1-chat-c1", time.monotonic() + 30)
+    late.join()
+    assert waited["a"] >= 0.8 and waited["b"] is not None and waited["b"] < 0.5  # a waited for b, b for nobody
+    # the next point: b has left (its budget ran out), so a goes on alone
+    ls["b"].leave()
+    assert ls["a"].wait("r1-chat-c32", time.monotonic() + 30) < 0.5
+    # another run's files (another ID) count for nothing; a wait ends at its deadline
+    other = serve.Lockstep("run2:2", tmp_path, "a")
+    assert other.wait("r1-chat-c1", time.monotonic() + 0.5) is None
+    assert serve.Lockstep("", tmp_path, "a").wait("x", 0) is None  # off
+    with pytest.raises(ValueError, match="ID:N"):
+        serve.Lockstep("run3", tmp_path, "a")
