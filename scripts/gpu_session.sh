@@ -34,6 +34,9 @@
 # library (the shipped kernel library built here with every CPU, `qla-serving compile --shipped`, into
 # QLA_LIBRARY_OUT, default /tmp/qla-lib: a 64-core machine builds it in about 6 minutes, a 2-core one in
 # an hour; later steps and calls use it with QLA_KERNEL_LIBRARY=/tmp/qla-lib; needs the tilelang-fi bundle).
+# library-from-wheel (the shipped library of a built wheel carried in the call, QLA_WHEEL a path in the
+# checkout, unpacked into QLA_LIBRARY_OUT, default /tmp/qla-lib, and the wheel kept in QLA_DIST_DIR, default /tmp/qla-dist,
+# for a later call's install step: a wheel of 37 MiB fits a call beside the small last tilelang-fi part).
 # tests-background (the tests and check steps started in a process session of their own, which
 # outlives this call: the machine works through them while the next calls copy bundle parts) and
 # tests-wait (in a later call on the same machine: waits up to QLA_SUITE_WAIT seconds, default 600,
@@ -225,6 +228,26 @@ for step in "$@"; do
         python3 -c "import json, sys; m = json.load(open(sys.argv[1])); print(m['source_digest'], len(m['configs']), 'configurations,', len(m['kernels']), 'kernels,', m['built_with'])" "$out/manifest.json"
         sha256sum "$out"/*.so
       ) 2>&1 | tee "$OUT/library.log" | tail -12 ;;
+    library-from-wheel)
+      ( wheel=${QLA_WHEEL:?the built wheel}; [[ $wheel == /* ]] || wheel=$here/$wheel
+        out=${QLA_LIBRARY_OUT:-/tmp/qla-lib}
+        dist=${QLA_DIST_DIR:-/tmp/qla-dist}
+        mkdir -p "$out" "$dist" && cp "$wheel" "$dist/" || exit 1
+        python3 - "$wheel" "$out" <<'PY' || exit 1
+import json, pathlib, sys, zipfile
+wheel, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+members = [n for n in zipfile.ZipFile(wheel).namelist() if "/kernels/shipped/" in n and not n.endswith("/")]
+if not any(n.endswith("/manifest.json") for n in members):
+    sys.exit(f"{wheel.name}: no kernels/shipped/manifest.json in it (a wheel built without the library)")
+with zipfile.ZipFile(wheel) as z:
+    for n in members:
+        (out / n.rsplit("/", 1)[1]).write_bytes(z.read(n))
+m = json.loads((out / "manifest.json").read_text())
+print(f"library {m['source_digest']} from {wheel.name}: {len(m['configs'])} configurations, "
+      f"{len(m['kernels'])} kernels, built with {m['built_with']}, in {out} (QLA_KERNEL_LIBRARY={out})")
+PY
+        sha256sum "$out"/*.so
+      ) 2>&1 | tee "$OUT/library.log" | tail -6 ;;
     tests-background)
       rm -rf /tmp/qla-suite-out /tmp/qla-suite.rc
       setsid nohup bash -c 'OUT=/tmp/qla-suite-out QLA_STAGE=/tmp/qla-stage-suite bash "$1" tests check \

@@ -70,3 +70,31 @@ def test_caches_too_large_for_a_call_are_not_kept(tmp_path):
     assert not list((tmp_path / "out").glob("jit-caches.*"))
     r = _session(REPO, tmp_path / "empty", tmp_path / "out", "caches-save")
     assert r.returncode != 0 and "no JIT cache" in r.stdout
+
+
+def test_the_library_comes_out_of_a_carried_wheel(tmp_path):
+    """library-from-wheel: the shipped library of a built wheel, unpacked where QLA_KERNEL_LIBRARY
+    can point, the wheel kept for the install step; a wheel without one is an error."""
+    import json
+    import zipfile
+
+    wheel = tmp_path / "qla_serving-0.1.0-py3-none-linux_x86_64.whl"
+    lib = os.urandom(1000)
+    manifest = {"source_digest": "abc123", "configs": [{}, {}], "kernels": [{}, {}, {}], "built_with": {"tilelang": "0.1.15"}}
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("qla_serving-0.1.0.data/purelib/qla_serving/kernels/shipped/libqla_gdn_sm90a.so", lib)
+        z.writestr("qla_serving-0.1.0.data/purelib/qla_serving/kernels/shipped/manifest.json", json.dumps(manifest))
+        z.writestr("qla_serving/__init__.py", "")
+    out = tmp_path / "lib"
+    r = _session(REPO, tmp_path / "home", tmp_path / "out", "library-from-wheel", QLA_WHEEL=str(wheel),
+                 QLA_LIBRARY_OUT=str(out), QLA_DIST_DIR=str(tmp_path / "dist"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "dist" / wheel.name).read_bytes() == wheel.read_bytes()
+    assert (out / "libqla_gdn_sm90a.so").read_bytes() == lib and json.loads((out / "manifest.json").read_text()) == manifest
+    assert "library abc123 from qla_serving-0.1.0-py3-none-linux_x86_64.whl: 2 configurations, 3 kernels" in r.stdout
+    bare = tmp_path / "bare.whl"
+    with zipfile.ZipFile(bare, "w") as z:
+        z.writestr("qla_serving/__init__.py", "")
+    r = _session(REPO, tmp_path / "home", tmp_path / "out2", "library-from-wheel", QLA_WHEEL=str(bare),
+                 QLA_LIBRARY_OUT=str(tmp_path / "lib2"), QLA_DIST_DIR=str(tmp_path / "dist"))
+    assert r.returncode != 0 and "no kernels/shipped/manifest.json" in r.stdout
