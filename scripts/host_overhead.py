@@ -119,14 +119,18 @@ class _NoopLib:
 
 
 class _Templates(dict):
-    """A manifest's kernel table that also answers keys it lacks with the signature of a kernel
-    of the same kind (the launch path is the same for every static configuration)."""
+    """A manifest's kernel table that also answers keys it lacks with the signature of the kernel
+    of the same kind whose static configuration shares the most fields with the one asked for
+    (the launch path is the same for every configuration of a signature; a variant with other
+    inputs, such as the packed-inputs prefill, has a signature of its own)."""
 
     def __init__(self, kernels: dict):
         super().__init__(kernels)
-        self._by_kind = {}
+        self._by_kind: dict[str, list[tuple[list, dict]]] = {}
         for key, entry in kernels.items():
-            self._by_kind.setdefault(json.loads(key)[0], entry)
+            kind, fields = json.loads(key)
+            self._by_kind.setdefault(kind, []).append((fields, entry))
+        self._chosen: dict[str, dict] = {}
 
     def __contains__(self, key) -> bool:
         return super().__contains__(key) or json.loads(key)[0] in self._by_kind
@@ -134,7 +138,11 @@ class _Templates(dict):
     def __getitem__(self, key):
         if super().__contains__(key):
             return super().__getitem__(key)
-        return self._by_kind[json.loads(key)[0]]
+        if key not in self._chosen:
+            kind, fields = json.loads(key)
+            shared = lambda other: sum(a == b for a, b in zip(fields, other))  # noqa: E731
+            self._chosen[key] = max(self._by_kind[kind], key=lambda fe: shared(fe[0]))[1]
+        return self._chosen[key]
 
 
 class _PyNoop:
@@ -368,6 +376,7 @@ def record_levels(layer_call, adapter_ops: list[tuple[object, str, str]], host_t
         rec.wrap(owner, attr, label)
     rec.wrap(kdecode, "gated_delta_rule_decode_fwd", "kernel entry: decode")
     rec.wrap(chunk_prefill, "chunk_gated_delta_rule_fwd", "kernel entry: prefill")
+    rec.wrap(chunk_prefill, "chunk_gated_delta_rule_fwd_packed", "kernel entry: prefill (packed)")
     rec.wrap_launcher(library.LibraryKernel)
     rec.wrap_launcher(_PyNoop)
     rec.run(layer_call)
@@ -665,6 +674,7 @@ def vllm_scenario(layer, config, name, query, context, args) -> dict:
             [
                 (qla_serving, "gated_delta_rule_decode", "op: decode"),
                 (qla_serving, "chunk_gated_delta_rule_pool", "op: prefill"),
+                (qla_serving, "chunk_gated_delta_rule_pool_packed", "op: prefill (packed)"),
             ],
             host,
         )
