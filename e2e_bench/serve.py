@@ -44,6 +44,7 @@ import urllib.request
 
 from .agreement import agree_fraction
 from .gpu_clocks import ClockSampler
+from .host_load import HostSampler
 
 HERE = pathlib.Path(__file__).resolve().parent
 MODELS_DIR = HERE / "models"
@@ -72,7 +73,8 @@ CLIENT_CLI = {"vllm": [*VLLM_CLI, "bench", "serve"], "sglang": [sys.executable, 
 ROW_KEYS = ("engine", "backend", "tp", "workload", "input_len", "output_len", "concurrency",
             "num_prompts", "request_throughput", "total_tok_s", "output_tok_s", "mean_ttft_ms",
             "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "agree_fraction", "startup_s",
-            "sm_clock_mhz_median", "sm_clock_mhz_min", "power_w_mean", "clock_limits")
+            "sm_clock_mhz_median", "sm_clock_mhz_min", "power_w_mean", "clock_limits", "host_busy_pct",
+            "host_steal_pct", "server_cpus")
 
 
 def log(msg: str) -> None:
@@ -681,7 +683,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                     res.unlink(missing_ok=True)  # an earlier call's file must not stand in for this point
                     waited = lockstep.wait(f"r{rnd + 1}-{workload}-c{conc}", deadline)
                     t1 = time.monotonic()
-                    with ClockSampler(work / f"clocks-{name}.csv") as clocks:
+                    with ClockSampler(work / f"clocks-{name}.csv") as clocks, HostSampler(getattr(proc, "pid", None)) as host:
                         rc, err = client.run(ccmd, work / f"client-{name}.log")
                     input_len, output_len = WORKLOADS[workload]
                     row = {"engine": s.engine, "backend": backend, "tp": s.tp, "workload": workload,
@@ -691,7 +693,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                     if rc != 0 or not res.is_file():
                         row["error"] = f"client exit {rc}: {err or ''} {tail(work / f'client-{name}.log', 5)}"
                     else:
-                        row.update(parse_client_result(s.engine, str(res)), **clocks.summary)
+                        row.update(parse_client_result(s.engine, str(res)), **clocks.summary, **host.summary)
                     if not row.get("error") and row["completed"] < n:  # the clients count failed requests, exit 0
                         row["error"] = f"{row['completed']} of {n} requests completed"
                     if row.get("error"):
@@ -831,7 +833,8 @@ def load_samples(work: pathlib.Path, backend: str, key: dict) -> list[dict]:
 
 # per point, the value of each of these is the median over the point's runs (servers x rounds)
 MEDIAN_KEYS = ("request_throughput", "total_tok_s", "output_tok_s", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-               "p99_tpot_ms", "mean_itl_ms", "startup_s", "sm_clock_mhz_median", "sm_clock_mhz_min", "power_w_mean")
+               "p99_tpot_ms", "mean_itl_ms", "startup_s", "sm_clock_mhz_median", "sm_clock_mhz_min", "power_w_mean",
+               "host_busy_pct", "host_steal_pct", "server_cpus")
 SPREAD_KEYS = ("total_tok_s", "mean_ttft_ms", "mean_tpot_ms")
 
 
@@ -978,20 +981,23 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         sub = [r for r in rows if r["workload"] == workload]
         lines += [f"## {workload} ({sub[0]['input_len']} in / {sub[0]['output_len']} out)", "",
                   "| backend | conc | prompts | total tok/s | output tok/s | req/s | mean TTFT ms | p99 TTFT ms | "
-                  "mean TPOT ms | p99 TPOT ms | agree | SM MHz median (min) | power W | clock limits |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "mean TPOT ms | p99 TPOT ms | agree | SM MHz median (min) | power W | clock limits | "
+                  "host busy % (steal) | server CPUs |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         fmt = lambda v, d=1: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
         for r in sorted(sub, key=lambda r: (r["concurrency"], r["backend"])):
             if r.get("error"):
                 lines.append(f"| {r['backend']} | {r['concurrency']} | {r.get('num_prompts')} | failed: "
-                             f"{r['error'][:80]} | | | | | | | | | | |")
+                             f"{r['error'][:80]} | | | | | | | | | | | | |")
                 continue
             lines.append(f"| {r['backend']} | {r['concurrency']} | {r['num_prompts']} | {fmt(r['total_tok_s'], 0)} | "
                          f"{fmt(r['output_tok_s'], 0)} | {fmt(r['request_throughput'], 2)} | "
                          f"{fmt(r['mean_ttft_ms'])} | {fmt(r['p99_ttft_ms'])} | {fmt(r['mean_tpot_ms'], 2)} | "
                          f"{fmt(r['p99_tpot_ms'], 2)} | {fmt(r['agree_fraction'], 3)} | "
                          f"{fmt(r.get('sm_clock_mhz_median'), 0)} ({fmt(r.get('sm_clock_mhz_min'), 0)}) | "
-                         f"{fmt(r.get('power_w_mean'), 0)} | {', '.join(r.get('clock_limits') or []) or '—'} |")
+                         f"{fmt(r.get('power_w_mean'), 0)} | {', '.join(r.get('clock_limits') or []) or '—'} | "
+                         f"{fmt(r.get('host_busy_pct'), 0)} ({fmt(r.get('host_steal_pct'), 1)}) | "
+                         f"{fmt(r.get('server_cpus'), 2)} |")
         lines.append("")
     return "\n".join(lines)
 
