@@ -789,7 +789,7 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, client: Clie
                        step_period_ms=None if summ["step_period_us"] is None else summ["step_period_us"] / 1e3,
                        host_ms_per_step={k: v / 1e3 / host_steps for k, v in summ["host_scopes_us"].items()},
                        runtime_per_step={k: [us / 1e3 / host_steps, c / host_steps]
-                                         for k, (us, c) in list(summ["runtime_us"].items())[:8]})
+                                         for k, (us, c) in summ["runtime_us"].items()})
     if len(ranks) > 1:
         texts.insert(0, prof.ranks_table(ranks, args.profile_steps))
         out["ranks_ms_per_step"] = {name: {"kernels": s["kernel_us_total"] / 1e3 / args.profile_steps,
@@ -1023,7 +1023,8 @@ def profiles_markdown(meta: dict) -> list[str]:
         lines.append(f"| {label(b)} | {b.get('visible_gpus', 'all')} | {fmt(pr.get('kernel_ms_per_step'))} | "
                      f"{fmt(pr.get('gpu_span_ms_per_step'))} | {fmt(pr.get('no_kernel_ms_per_step'))} | {fmt(rec)} | "
                      f"{fmt(pr.get('step_period_ms'))} | " + " | ".join(fmt(host.get(k)) for k in scopes) + " |")
-    calls = list(dict.fromkeys(k for b in profiled for k in b["profile"].get("runtime_per_step") or {}))
+    # the calls that take the most host time on any server (each server's first 8), every server's cell
+    calls = list(dict.fromkeys(k for b in profiled for k in list(b["profile"].get("runtime_per_step") or {})[:8]))
     if calls:
         lines += ["", "| CUDA runtime call: host ms (calls) per step | " + " | ".join(label(b) for b in profiled)
                   + " |", "|---|" + "---|" * len(profiled)]

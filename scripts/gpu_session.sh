@@ -67,10 +67,10 @@ stop_leftover_servers() {
 side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's matches shown, default all]
   local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out
   local -a extra pin cpus
-  local stamp
-  stamp=$(date +%s%N)
+  local stamp nslots per
+  stamp=$(date +%s%N) nslots=$(wc -w <<<"$slots")
   mapfile -t cpus < <(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)), sep='\n')")
-  local per=$((${#cpus[@]} / $(wc -w <<<"$slots")))
+  per=$((${#cpus[@]} / nslots))
   stop_leftover_servers
   rm -f /tmp/$prefix-*.log  # an earlier call's, on a machine kept warm
   python3 -m "$module" $args --dry-run >/dev/null  # the model's files, before any server reads them
@@ -79,7 +79,7 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
     if [[ $module == e2e_bench.serve ]]; then
       # the servers measure each point at the same time (a server measured alone, or beside another's
       # start-up, is not comparable: docs/e2e.md, "Host time")
-      extra=(--server-sample "${rest:-1}" --lockstep "$stamp:$(wc -w <<<"$slots")")
+      extra=(--server-sample "${rest:-1}" --lockstep "$stamp:$nslots")
       out=/tmp/qla-split-$i log=/tmp/$prefix-gpu$gpus-$backend.log
     else
       IFS=: read -r phase ks <<<"$rest"
