@@ -658,3 +658,51 @@ def test_servers_side_by_side_measure_each_point_together(tmp_path):
     assert serve.Lockstep("", tmp_path, "a").wait("x", 0) is None  # off
     with pytest.raises(ValueError, match="ID:N"):
         serve.Lockstep("run3", tmp_path, "a")
+
+
+def test_a_slot_that_starts_late_is_waited_for_before_any_point(tmp_path, monkeypatch):
+    """Two run_backend calls in lockstep, one server healthy a second after the other: neither
+    measures a point (nor its warm-up) before both are up, and they measure each point together."""
+    import threading
+
+    calls = []
+    _fake_engine(monkeypatch, calls)
+    began: dict[str, float] = {}
+    BaseServer, BaseClient = serve.Server, serve.Client
+
+    class LateServer(BaseServer):
+        def __init__(self, cmd, env, log_path, port):
+            super().__init__(cmd, env, log_path, port)
+            self.port = port
+
+        def start(self, timeout):
+            time.sleep(1.0 if self.port == 8421 else 0.0)
+            began[f"healthy-{self.port}"] = time.monotonic()
+            return True
+
+    class TimedClient(BaseClient):
+        def run(self, cmd, log_path):
+            began[cmd[cmd.index("--result-filename") + 1]] = time.monotonic()
+            return super().run(cmd, log_path)
+
+    monkeypatch.setattr(serve, "Server", LateServer)
+    monkeypatch.setattr(serve, "Client", TimedClient)
+    results = {}
+
+    def slot(backend, port):
+        args = serve.parse_args(["--engine", "vllm", "--workloads", "short", "--concurrency", "1", "32",
+                                 "--agree-prompts", "0", "--port", str(port), "--lockstep", "t1:2"])
+        s = serve.Setup("vllm", str(tmp_path / "model"), 1, 4096, port=port)
+        results[backend] = serve.run_backend(s, backend, args, tmp_path, [], time.monotonic() + 60)
+
+    threads = [threading.Thread(target=slot, args=a) for a in (("flashqla", 8321), ("triton", 8421))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    late = began["healthy-8421"]
+    for point in ("warmup", "short-c1", "short-c32"):
+        ours, theirs = (began[f"client-{b}-{point}.json"] for b in ("flashqla", "triton"))
+        assert ours >= late and abs(ours - theirs) < 0.5, (point, ours - late, theirs - late)
+    rows = results["flashqla"][0]
+    assert rows[0]["lockstep_wait_s"] is not None and all(not r.get("error") for r in rows)
