@@ -689,7 +689,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                     row = {"engine": s.engine, "backend": backend, "tp": s.tp, "workload": workload,
                            "input_len": input_len, "output_len": output_len, "concurrency": conc, "num_prompts": n,
                            "startup_s": info["startup_s"], "sample": args.server_sample, "round": rnd + 1,
-                           **({"lockstep_wait_s": waited} if lockstep.n else {})}
+                           **({"lockstep": args.lockstep, "lockstep_wait_s": waited} if lockstep.n else {})}
                     if rc != 0 or not res.is_file():
                         row["error"] = f"client exit {rc}: {err or ''} {tail(work / f'client-{name}.log', 5)}"
                     else:
@@ -930,7 +930,7 @@ def results_stem(gpu: str, engine: str, tp: int, tag: str = "") -> str:
 # ----------------------------------------------------------------------------- report
 
 
-def markdown(meta: dict, rows: list[dict]) -> str:
+def markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> str:
     lines = [f"# Serving benchmark: {meta.get('engine')} TP {meta.get('tp')} on {meta.get('gpus')} x {meta.get('gpu')}",
              "", f"Model: {meta.get('model')}", "", f"Versions: {json.dumps(meta.get('versions'))}", "",
              f"Command: `{meta.get('command')}`", ""]
@@ -958,6 +958,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {a['workload']} | {a['concurrency']} | {a['best']} | {a['total_tok_s']:.3f}x | "
                   f"{a['output_tok_s']:.3f}x | {a['mean_ttft']:.3f}x | {a['mean_tpot']:.3f}x |" for a in ratios]
+        lines.append("")
+    paired = paired_ratios(runs or [])
+    if paired:
+        lines += ["## flashqla against each built-in backend, measured together", "",
+                  "Each pair is one run of ours and one of the other backend in the same round of the same "
+                  "lockstep run (`--lockstep`: servers side by side, every point at the same time); a "
+                  "server's absolute numbers move with the host, the pair's ratio much less. Medians over "
+                  "the pairs (lowest-highest).", "",
+                  "| workload | conc | versus | pairs | total tok/s | mean TTFT | mean TPOT |", "|---|---|---|---|---|---|---|"]
+        rng = lambda a: f"{a['median']:.3f}x ({a['min']:.3f}-{a['max']:.3f})"  # noqa: E731
+        lines += [f"| {a['workload']} | {a['concurrency']} | {a['versus']} | {a['pairs']} | {rng(a['total_tok_s'])} | "
+                  f"{rng(a['mean_ttft'])} | {rng(a['mean_tpot'])} |" for a in paired]
         lines.append("")
     lines += profiles_markdown(meta)
     spread = [r for r in rows if r.get("spread")]
@@ -1037,6 +1049,29 @@ def profiles_markdown(meta: dict) -> list[str]:
     return lines + [""]
 
 
+def paired_ratios(runs: list[dict], ours: str = "flashqla") -> list[dict]:
+    """``ours`` over each built-in backend per point, from runs measured together: the same
+    lockstep run and round (every pair of such runs, ours against the other)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r.get("lockstep") and not r.get("error"):
+            groups.setdefault((r["workload"], r["concurrency"], r["lockstep"], r.get("round", 1)), []).append(r)
+    pairs: dict[tuple, list[tuple[float, float, float]]] = {}
+    for (w, c, _, _), group in groups.items():
+        for mine in (r for r in group if r["backend"] == ours):
+            for other in (r for r in group if r["backend"] not in OURS):
+                pairs.setdefault((w, c, other.get("backend_resolved") or other["backend"]), []).append(
+                    (mine["total_tok_s"] / other["total_tok_s"], mine["mean_ttft_ms"] / other["mean_ttft_ms"],
+                     mine["mean_tpot_ms"] / other["mean_tpot_ms"]))
+    out = []
+    for (w, c, versus), vals in pairs.items():
+        stats = {}
+        for name, xs in zip(("total_tok_s", "mean_ttft", "mean_tpot"), zip(*vals)):
+            stats[name] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        out.append({"workload": w, "concurrency": c, "versus": versus, "pairs": len(vals), **stats})
+    return out
+
+
 def against_best(rows: list[dict], ours: str = "flashqla", versus: str | None = None) -> list[dict]:
     """Per workload and concurrency: ``ours`` over the best built-in backend (highest total
     throughput) on throughput, and over the lowest built-in TTFT/TPOT on latency; with ``versus``,
@@ -1105,7 +1140,7 @@ def write_results(out_dir: pathlib.Path, stem: str, meta: dict, rows: list[dict]
     path = out_dir / f"{stem}.json"
     data = {"meta": meta, "rows": rows, **({"runs": runs} if runs else {})}
     path.write_text(json.dumps(data, indent=1) + "\n")
-    (out_dir / f"{stem}.md").write_text(markdown(meta, rows) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown(meta, rows, runs) + "\n")
     plot(meta, rows, out_dir / stem)
     return path
 
@@ -1182,7 +1217,7 @@ def report(paths: list[str]) -> int:
                  for r in median_rows(data.get("runs") or []) if r.get("run_mean")}
         for r in data["rows"]:
             r.setdefault("run_mean", means.get((r["backend"], r["workload"], r["concurrency"])))
-        stem.with_suffix(".md").write_text(markdown(data["meta"], data["rows"]) + "\n")
+        stem.with_suffix(".md").write_text(markdown(data["meta"], data["rows"], data.get("runs")) + "\n")
         for png in plot(data["meta"], data["rows"], stem):
             log(f"wrote {png}")
     return 0

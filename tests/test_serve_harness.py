@@ -706,3 +706,26 @@ def test_a_slot_that_starts_late_is_waited_for_before_any_point(tmp_path, monkey
         assert ours >= late and abs(ours - theirs) < 0.5, (point, ours - late, theirs - late)
     rows = results["flashqla"][0]
     assert rows[0]["lockstep_wait_s"] is not None and all(not r.get("error") for r in rows)
+
+
+def test_ratios_come_from_runs_measured_together():
+    """The paired table: ours over each built-in per (lockstep run, round); a run from another
+    lockstep run or outside any, or a failed one, pairs with nothing."""
+    def run(backend, tok, tpot, rnd, lockstep="A:2", **kw):
+        return {**_run(backend, 1, tok, tpot, rnd=rnd, **kw), "lockstep": lockstep, "mean_ttft_ms": tok / 100}
+
+    runs = [run("flashqla", 110.0, 3.0, 1), run("triton", 100.0, 3.3, 1),  # round 1: 1.10x
+            run("flashqla", 90.0, 3.6, 2), run("triton", 75.0, 4.0, 2),  # round 2: the host slower, 1.20x
+            run("triton", 200.0, 1.0, 1, lockstep="B:2"),  # another call: no partner of ours there
+            run("flashqla", 500.0, 1.0, 3, lockstep=None), run("triton", 1.0, 1.0, 3, lockstep=None),
+            run("flashqla", 1.0, 1.0, 4, error="client exit 1"), run("triton", 100.0, 1.0, 4)]
+    (p,) = serve.paired_ratios(runs)
+    assert (p["workload"], p["versus"], p["pairs"]) == ("chat", "triton", 2)
+    assert p["total_tok_s"]["median"] == pytest.approx(1.15)
+    assert (p["total_tok_s"]["min"], p["total_tok_s"]["max"]) == (pytest.approx(1.1), pytest.approx(1.2))
+    assert p["mean_tpot"]["max"] == pytest.approx(0.909, abs=1e-3)
+    rows = serve.median_rows(runs)
+    md = serve.markdown({"engine": "vllm", "tp": 1}, rows, runs)
+    assert "## flashqla against each built-in backend, measured together" in md
+    assert "| chat | 1 | triton | 2 | 1.150x (1.100-1.200) |" in md
+    assert "measured together" not in serve.markdown({"engine": "vllm", "tp": 1}, rows)
