@@ -672,6 +672,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
             for workload in args.workloads:
                 for conc in args.concurrency:
                     point = f"{workload} c{conc}" + (f" round {rnd + 1}/{args.repeats}" if args.repeats > 1 else "")
+                    # (in lockstep the wait ends at the budget at the latest: checked after it)
+                    waited = lockstep.wait(f"r{rnd + 1}-{workload}-c{conc}", deadline)
                     if time.monotonic() > budget_end:
                         log(f"budget spent: {backend} {point} left out")
                         info.setdefault("left_out", []).append(f"{workload}@{conc}" + (f"#{rnd + 1}" if rnd else ""))
@@ -681,7 +683,6 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                     res = work / f"client-{name}.json"
                     ccmd = client_command(s, workload, conc, n, str(res), warmups=min(conc, args.warmups))
                     res.unlink(missing_ok=True)  # an earlier call's file must not stand in for this point
-                    waited = lockstep.wait(f"r{rnd + 1}-{workload}-c{conc}", deadline)
                     t1 = time.monotonic()
                     with ClockSampler(work / f"clocks-{name}.csv") as clocks, HostSampler(getattr(proc, "pid", None)) as host:
                         rc, err = client.run(ccmd, work / f"client-{name}.log")

@@ -729,3 +729,17 @@ def test_ratios_come_from_runs_measured_together():
     assert "## flashqla against each built-in backend, measured together" in md
     assert "| chat | 1 | triton | 2 | 1.150x (1.100-1.200) |" in md
     assert "measured together" not in serve.markdown({"engine": "vllm", "tp": 1}, rows)
+
+
+def test_a_wait_that_runs_into_the_budget_leaves_the_points_out(tmp_path, monkeypatch):
+    """In lockstep with a slot that never comes, the wait ends at the budget, and what the budget
+    no longer holds is left out, not measured late."""
+    calls = []
+    _fake_engine(monkeypatch, calls)
+    args = serve.parse_args(["--engine", "vllm", "--workloads", "short", "--concurrency", "1", "32",
+                             "--agree-prompts", "0", "--no-server-warmup", "--lockstep", "t2:2"])
+    s = serve.Setup("vllm", str(tmp_path / "model"), 1, 4096)
+    t0 = time.monotonic()
+    rows, info = serve.run_backend(s, "flashqla", args, tmp_path, [], t0 + 0.6)
+    assert rows == [] and calls == [] and info["left_out"] == ["short@1", "short@32"]
+    assert 0.5 < time.monotonic() - t0 < 5
