@@ -81,6 +81,11 @@ def log(msg: str) -> None:
     print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def fmt(v: float | None, d: int = 1) -> str:
+    """A table cell: ``v`` with ``d`` decimals, a dash where there is no value."""
+    return "—" if v is None else f"{v:.{d}f}"
+
+
 def cpu_set() -> str:
     """The CPUs this process (and the servers it starts) may run on, as ranges: servers side by
     side share the host, and a concurrency-1 step is host-bound (docs/e2e.md, "Host time")."""
@@ -997,7 +1002,6 @@ def markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> st
                   "mean TPOT ms | p99 TPOT ms | agree | SM MHz median (min) | power W | clock limits | "
                   "host busy % (steal) | server CPUs |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        fmt = lambda v, d=1: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
         for r in sorted(sub, key=lambda r: (r["concurrency"], r["backend"])):
             if r.get("error"):
                 lines.append(f"| {r['backend']} | {r['concurrency']} | {r.get('num_prompts')} | failed: "
@@ -1021,7 +1025,6 @@ def profiles_markdown(meta: dict) -> list[str]:
     if not profiled:
         return []
     scopes = list(dict.fromkeys(k for b in profiled for k in b["profile"].get("host_ms_per_step") or {}))
-    fmt = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
     label = lambda b: b["backend"] + (f" (sample {b['sample']})" if b.get("sample", 1) != 1 else "")  # noqa: E731
     lines = [f"## Profiles ({meta.get('profile')}, ms per step, first rank)", "",
              "GPU: kernel time, the span from the first kernel to the last and its time with no kernel "
@@ -1033,9 +1036,9 @@ def profiles_markdown(meta: dict) -> list[str]:
         pr = b["profile"]
         rec = sum(v for k, v in (pr.get("gdn_ms_per_step") or {}).items() if k.startswith("recurrence"))
         host = pr.get("host_ms_per_step") or {}
-        lines.append(f"| {label(b)} | {b.get('visible_gpus', 'all')} | {fmt(pr.get('kernel_ms_per_step'))} | "
-                     f"{fmt(pr.get('gpu_span_ms_per_step'))} | {fmt(pr.get('no_kernel_ms_per_step'))} | {fmt(rec)} | "
-                     f"{fmt(pr.get('step_period_ms'))} | " + " | ".join(fmt(host.get(k)) for k in scopes) + " |")
+        lines.append(f"| {label(b)} | {b.get('visible_gpus', 'all')} | {fmt(pr.get('kernel_ms_per_step'), 3)} | "
+                     f"{fmt(pr.get('gpu_span_ms_per_step'), 3)} | {fmt(pr.get('no_kernel_ms_per_step'), 3)} | {fmt(rec, 3)} | "
+                     f"{fmt(pr.get('step_period_ms'), 3)} | " + " | ".join(fmt(host.get(k), 3) for k in scopes) + " |")
     # the calls that take the most host time on any server (each server's first 8), every server's cell
     calls = list(dict.fromkeys(k for b in profiled for k in list(b["profile"].get("runtime_per_step") or {})[:8]))
     if calls:

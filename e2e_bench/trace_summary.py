@@ -68,37 +68,35 @@ def summarize(events: list[dict], top: int = 25) -> dict:
     first = last = None
     comm = 0.0
     spans = []
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
-        name, dur = e.get("name", "?"), float(e.get("dur", 0.0))
-        kernels[name] += dur
-        counts[name] += 1
-        group = classify(name)
-        if group:
-            gdn[group] += dur
-        if COMM_PATTERN.search(name):
-            comm += dur
-        ts = float(e.get("ts", 0.0))
-        spans.append((ts, ts + dur))
-        first = ts if first is None else min(first, ts)
-        last = ts + dur if last is None else max(last, ts + dur)
-    host = [float(e["dur"]) for e in events
-            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and e.get("name") == GDN_OP]
+    host = []
     scopes = collections.Counter()
     runtime = collections.Counter()
     runtime_calls = collections.Counter()
     step_starts = []
-    for e in events:
+    for e in events:  # one pass: a trace holds millions of events
         if e.get("ph") != "X":
             continue
-        cat, name = e.get("cat"), e.get("name", "?")
-        if cat == "user_annotation" and name.startswith(RUNNER_SCOPE):
-            scopes[name[len(RUNNER_SCOPE):]] += float(e.get("dur", 0.0))
+        cat, name, dur = e.get("cat"), e.get("name", "?"), float(e.get("dur", 0.0))
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels[name] += dur
+            counts[name] += 1
+            group = classify(name)
+            if group:
+                gdn[group] += dur
+            if COMM_PATTERN.search(name):
+                comm += dur
+            ts = float(e.get("ts", 0.0))
+            spans.append((ts, ts + dur))
+            first = ts if first is None else min(first, ts)
+            last = ts + dur if last is None else max(last, ts + dur)
+        elif cat in ("cpu_op", "user_annotation") and name == GDN_OP:
+            host.append(dur)
+        elif cat == "user_annotation" and name.startswith(RUNNER_SCOPE):
+            scopes[name[len(RUNNER_SCOPE):]] += dur
             if name == STEP_SCOPE:
                 step_starts.append(float(e.get("ts", 0.0)))
         elif cat in RUNTIME_CATS:
-            runtime[name] += float(e.get("dur", 0.0))
+            runtime[name] += dur
             runtime_calls[name] += 1
     step_starts.sort()
     periods = [b - a for a, b in zip(step_starts, step_starts[1:])]
