@@ -978,6 +978,7 @@ def markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> st
                   f"{rng(a['mean_ttft'])} | {rng(a['mean_tpot'])} |" for a in paired]
         lines.append("")
     lines += profiles_markdown(meta)
+    lines += bound_markdown(meta, rows, runs)
     spread = [r for r in rows if r.get("spread")]
     if spread:
         lines += ["## Spread over runs", "",
@@ -1050,6 +1051,89 @@ def profiles_markdown(meta: dict) -> list[str]:
                 v = (b["profile"].get("runtime_per_step") or {}).get(c)
                 cells.append("—" if v is None else f"{v[0]:.3f} ({v[1]:.1f})")
             lines.append(f"| `{c}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+BOUND_MIN = 1.01  # below it, a point's own noise is larger than what the kernels allow
+
+
+def kernel_bound(meta: dict, rows: list[dict], runs: list[dict] | None = None, ours: str = "flashqla") -> list[dict]:
+    """What the GDN kernels allow at the profiled point (``--profile``), per built-in backend with a
+    profile beside ours: the GDN kernel time per step ours saves against it, taken off its step,
+    ``bound = step / (step - saved)``, once with its step period (what a step took) and once with
+    its GPU kernel time alone (the most a purely GPU-bound step could gain); beside them the gain
+    measured at that point (the paired median where measured together, else the medians' ratio)
+    and the share of the step-period bound it reached. Each value is the median over the servers
+    of a backend; the first rank's profile."""
+    if not meta.get("profile"):
+        return []
+    workload, conc = meta["profile"].split(":")
+    conc = int(conc)
+    profiles: dict[str, list[dict]] = {}
+    for b in meta.get("backends") or []:
+        if (b.get("profile") or {}).get("trace"):
+            profiles.setdefault(b["backend"] if b["backend"] in OURS else b.get("resolved") or b["backend"], []).append(b["profile"])
+    if ours not in profiles:
+        return []
+
+    def med(prs: list[dict], f) -> float | None:
+        vals = [v for v in map(f, prs) if v is not None]
+        return statistics.median(vals) if vals else None
+
+    gdn = lambda pr: sum((pr.get("gdn_ms_per_step") or {}).values())  # noqa: E731
+    host = lambda pr: (pr.get("gdn_op_host_us") or {}).get("median")  # noqa: E731
+    paired = {a["versus"]: a["total_tok_s"]["median"] for a in paired_ratios(runs or [], ours)
+              if (a["workload"], a["concurrency"]) == (workload, conc)}
+    point = {(r.get("backend_resolved") or r["backend"]): r for r in rows
+             if (r["workload"], r["concurrency"]) == (workload, conc) and not r.get("error")}
+    out = []
+    for versus, prs in profiles.items():
+        if versus in OURS:
+            continue
+        mine, theirs = med(profiles[ours], gdn), med(prs, gdn)
+        saved = theirs - mine
+        step, kernels = med(prs, lambda pr: pr.get("step_period_ms")), med(prs, lambda pr: pr.get("kernel_ms_per_step"))
+        bound = lambda t: t / (t - saved) if t is not None and t > saved else None  # noqa: E731
+        if versus in paired:
+            measured, how = paired[versus], "paired"
+        elif ours in point and versus in point:
+            measured, how = point[ours]["total_tok_s"] / point[versus]["total_tok_s"], "medians"
+        else:
+            measured, how = None, None
+        b_step = bound(step)
+        out.append({"workload": workload, "concurrency": conc, "versus": versus,
+                    "gdn_ms_ours": mine, "gdn_ms_versus": theirs, "saved_ms": saved,
+                    "gdn_host_us_ours": med(profiles[ours], host), "gdn_host_us_versus": med(prs, host),
+                    "step_ms": step, "kernel_ms": kernels, "bound_step": b_step, "bound_gpu": bound(kernels),
+                    "measured": measured, "measured_from": how,
+                    # a bound under 1% is below what one point can resolve: no share of it
+                    "reached": None if measured is None or b_step is None or b_step < BOUND_MIN
+                    else (measured - 1) / (b_step - 1)})
+    return out
+
+
+def bound_markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> list[str]:
+    bounds = kernel_bound(meta, rows, runs)
+    if not bounds:
+        return []
+    lines = [f"## What the GDN kernels allow ({meta['profile']})", "",
+             "GDN kernel time per step (ms, first rank, median over a backend's servers) from the profiles; "
+             "the time ours saves taken off the other backend's step period (bound) and off its GPU kernel "
+             "time alone (GPU-only bound, the most a step with no host time could gain); the measured gain in "
+             "total tok/s at this point (paired: measured together; medians: each backend's median) and the "
+             "share of the bound it reached. GDN host us: our op's host time per layer call (none where the "
+             "step replays a CUDA graph).", "",
+             "| versus | GDN ms ours | GDN ms theirs | saved ms | their step ms | their kernels ms | bound | "
+             "GPU-only bound | measured | share of the bound | GDN host us ours / theirs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    x = lambda v: "—" if v is None else f"{v:.3f}x"  # noqa: E731
+    for a in bounds:
+        share = (f"{100 * a['reached']:.0f}%" if a["reached"] is not None
+                 else "bound under 1%" if a["bound_step"] is not None and a["bound_step"] < BOUND_MIN else "—")
+        lines.append(f"| {a['versus']} | {fmt(a['gdn_ms_ours'], 3)} | {fmt(a['gdn_ms_versus'], 3)} | {fmt(a['saved_ms'], 3)} | "
+                     f"{fmt(a['step_ms'], 3)} | {fmt(a['kernel_ms'], 3)} | {x(a['bound_step'])} | {x(a['bound_gpu'])} | "
+                     f"{x(a['measured'])}{'' if a['measured_from'] is None else ' (' + a['measured_from'] + ')'} | {share} | "
+                     f"{fmt(a['gdn_host_us_ours'], 1)} / {fmt(a['gdn_host_us_versus'], 1)} |")
     return lines + [""]
 
 

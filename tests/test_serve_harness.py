@@ -731,6 +731,53 @@ def test_ratios_come_from_runs_measured_together():
     assert "measured together" not in serve.markdown({"engine": "vllm", "tp": 1}, rows)
 
 
+def _profiled(backend, gdn, step, kernels, resolved=None, host_us=None, sample=1):
+    return {"backend": backend, "resolved": resolved or backend, "sample": sample, "profile": {
+        "trace": f"t-{backend}-{sample}", "kernel_ms_per_step": kernels, "step_period_ms": step,
+        "gdn_ms_per_step": gdn, "gdn_op_host_us": {"calls": 0 if host_us is None else 6, "median": host_us}}}
+
+
+def test_the_bound_is_the_gdn_time_ours_saves_taken_off_the_other_step():
+    """Issue #24's bound at the profiled point: bound = step / (step - saved), saved the other
+    backend's GDN kernel time per step less ours (all GDN parts, median over a backend's servers);
+    the measured gain beside it, paired where the runs were measured together."""
+    meta = {"profile": "long:32", "backends": [
+        _profiled("flashqla", {"recurrence (prefill)": 1.0, "conv1d": 0.5}, 20.0, 15.0, host_us=40.0),
+        _profiled("flashqla", {"recurrence (prefill)": 1.4, "conv1d": 0.5}, 22.0, 15.0, host_us=50.0, sample=2),
+        _profiled("triton", {"recurrence (prefill)": 4.0, "conv1d": 0.5}, 24.0, 18.0, host_us=30.0),
+        _profiled("default", {"recurrence (prefill)": 2.2, "conv1d": 0.5}, 21.0, 16.0, resolved="flashinfer"),
+        {"backend": "triton", "sample": 2}]}  # a server without a profile counts for nothing here
+    runs = [{**_run(b, 32, tok, 10.0), "workload": "long", "lockstep": "A:3", "mean_ttft_ms": 100.0}
+            for b, tok in (("flashqla", 1050.0), ("triton", 1000.0), ("default", 1020.0))]
+    for r in runs:
+        r["backend_resolved"] = "flashinfer" if r["backend"] == "default" else r["backend"]
+    got = {a["versus"]: a for a in serve.kernel_bound(meta, serve.median_rows(runs), runs)}
+    assert set(got) == {"triton", "flashinfer"}
+    ours = (1.5 + 1.9) / 2  # the median of our two servers' GDN time per step
+    t = got["triton"]
+    assert t["gdn_ms_ours"] == pytest.approx(ours) and t["saved_ms"] == pytest.approx(4.5 - ours)
+    assert t["bound_step"] == pytest.approx(24.0 / (24.0 - (4.5 - ours)))
+    assert t["bound_gpu"] == pytest.approx(18.0 / (18.0 - (4.5 - ours)))
+    assert (t["measured"], t["measured_from"]) == (pytest.approx(1.05), "paired")
+    assert t["reached"] == pytest.approx(0.05 / (t["bound_step"] - 1))
+    assert (t["gdn_host_us_ours"], t["gdn_host_us_versus"]) == (pytest.approx(45.0), pytest.approx(30.0))
+    f = got["flashinfer"]  # 2.7 - 1.7 = 1.0 ms of a 21 ms step: under 5%
+    assert f["bound_step"] == pytest.approx(21.0 / 20.0) and f["measured"] == pytest.approx(1050 / 1020)
+    md = "\n".join(serve.bound_markdown(meta, serve.median_rows(runs), runs))
+    assert "## What the GDN kernels allow (long:32)" in md
+    assert "| flashinfer | 1.700 | 2.700 | 1.000 | 21.000 | 16.000 | 1.050x | 1.067x | 1.029x (paired) | 59% |" in md
+    # without a lockstep the measured gain is the medians' ratio; a bound under 1% has no share
+    solo = [{k: v for k, v in r.items() if k != "lockstep"} for r in runs]
+    meta["backends"][2]["profile"]["gdn_ms_per_step"] = {"recurrence (prefill)": 1.8}
+    t = next(a for a in serve.kernel_bound(meta, serve.median_rows(solo), solo) if a["versus"] == "triton")
+    assert t["measured_from"] == "medians" and t["measured"] == pytest.approx(1.05)
+    assert t["bound_step"] < serve.BOUND_MIN and t["reached"] is None
+    assert "bound under 1%" in "\n".join(serve.bound_markdown(meta, serve.median_rows(solo), solo))
+    # nothing profiled of ours, or no --profile: no table
+    assert serve.kernel_bound({**meta, "backends": meta["backends"][2:]}, [], []) == []
+    assert serve.bound_markdown({"backends": meta["backends"]}, [], []) == []
+
+
 def test_a_wait_that_runs_into_the_budget_leaves_the_points_out(tmp_path, monkeypatch):
     """In lockstep with a slot that never comes, the wait ends at the budget, and what the budget
     no longer holds is left out, not measured late."""
