@@ -1113,6 +1113,7 @@ def kernel_bound(meta: dict, rows: list[dict], runs: list[dict] | None = None, o
 
 
 def bound_markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> list[str]:
+    """``kernel_bound``'s table (nothing without profiles of ours and a built-in backend)."""
     bounds = kernel_bound(meta, rows, runs)
     if not bounds:
         return []
