@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Replay a Dockerfile's install into a fresh virtual environment that holds the engine version its
 # FROM line names (no Docker engine runs on the project's machines), then `pip check` it and
-# import the plugin the way the engine does. Needs the built wheel in dist/ and a reachable index
-# (several GB of wheels); not part of CI, which only resolves the same lines (scripts/ci_install.sh).
+# import the plugin the way the engine does. Needs the built wheel in dist/ (QLA_DIST_DIR) and a
+# reachable index (several GB of wheels); not part of CI, which only resolves the same lines
+# (scripts/ci_install.sh).
 #
 #   bash scripts/docker_replay.sh docker/Dockerfile.vllm [VENV]
+#
+# QLA_REPLAY_OFFLINE=1 is the GPU machine's way, which has no index: the base image's packages are
+# the ones this python already sees (its site-packages, and the engine's bundle on its path), put
+# under the fresh environment instead of installed into it; the engine there must be the FROM
+# line's version; the Dockerfile's pip line then runs unchanged but for PIP_NO_INDEX and the
+# wheel's folder as PIP_FIND_LINKS, so it resolves against what the image holds, as in a build.
+# `gpu_session.sh install` with QLA_DOCKERFILE serves through that environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dockerfile=$1
@@ -16,14 +24,26 @@ case $from in
   lmsysorg/sglang:v*) v=${from#lmsysorg/sglang:v}; engine="sglang==${v%%-*}" plugin=qla_serving.integrations.sglang ;;
   *) echo "$dockerfile: FROM $from: no engine this script knows" >&2; exit 2 ;;
 esac
-wheel=$(ls dist/qla_serving-*.whl | head -1)
+dist=${QLA_DIST_DIR:-dist}
+[[ $dist == /* ]] || dist=$PWD/$dist
+ls "$dist"/qla_serving-*.whl >/dev/null || { echo "no built wheel in $dist" >&2; exit 2; }
 line=$(grep -E '^RUN pip install' "$dockerfile")
-# the Dockerfile copies dist/ to /opt/qla-serving/: point its pip line at this checkout's dist/
+# the Dockerfile copies dist/ to /opt/qla-serving/: point its pip line at the wheel's folder
 line=${line#RUN }
-line=${line//\/opt\/qla-serving\//dist/}
+line=${line//\/opt\/qla-serving\//$dist/}
 echo "== $dockerfile: fresh venv $venv with $engine, then: $line"
 rm -rf "$venv" && "$python" -m venv "$venv"
-"$venv/bin/pip" install -q --disable-pip-version-check "$engine"
+if [[ ${QLA_REPLAY_OFFLINE:-} == 1 ]]; then
+  # the image's packages under the venv (a .pth of this python's site directories)
+  site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+  "$python" -c 'import site, sys; print(*[p for p in sys.path if p.endswith("-packages")], sep="\n")' >"$site/base-image.pth"
+  have=$("$venv/bin/python" -c "import importlib.metadata as md; print(md.version('${engine%%==*}'))" 2>/dev/null || echo none)
+  [[ $have == "${engine#*==}" ]] || { echo "offline replay: ${engine%%==*} here is $have, the Dockerfile's FROM is ${engine#*==}" >&2; exit 2; }
+  echo "   offline: ${engine%%==*} $have and the image's packages from $(wc -l <"$site/base-image.pth") site directories, no index"
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS=$dist
+else
+  "$venv/bin/pip" install -q --disable-pip-version-check "$engine"
+fi
 PATH=$venv/bin:$PATH bash -c "$line"
 "$venv/bin/pip" check
 cd /tmp  # the checkout's qla_serving must not stand in for the installed one

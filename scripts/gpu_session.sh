@@ -27,7 +27,9 @@
 # or spec (the K speculative servers, comparing once the stress run's oracle is there),
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
-# as $OUT/install-logs.tar.xz).
+# as $OUT/install-logs.tar.xz; with QLA_DOCKERFILE=docker/Dockerfile.vllm the wheel goes in by that
+# Dockerfile's pip line, offline, into a fresh environment over the image and the bundles: the
+# Dockerfile replayed and served on the GPU).
 # caches-save (Triton's and FlashInfer's JIT caches of this machine as pieces jit-caches.tar.xz.NN in
 # $OUT) and caches-restore (the pieces carried in .device/jit-caches, unpacked into $HOME before any
 # server starts: a fresh machine then starts its servers warm; scripts/device_caches.sh keeps them here).
@@ -171,15 +173,25 @@ for step in "$@"; do
     install)
       # the package from its built wheel (QLA_WHEEL, a path in the checkout), not the staged tree,
       # run from a directory that holds only the harness, so the checkout cannot stand in for it
+      # QLA_DOCKERFILE: installed by that Dockerfile's own pip line into a fresh environment over the
+      # image's packages and the bundles (scripts/docker_replay.sh, offline), and served through it
       ( rm -rf /tmp/qla-wheel /tmp/qla-bench && mkdir -p /tmp/qla-bench && cp -r e2e_bench /tmp/qla-bench/
         wheel=${QLA_WHEEL:?the built wheel}; [[ $wheel == /* ]] || wheel=$here/$wheel
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/qla-wheel "$wheel" || exit 1
-        cd /tmp/qla-bench && export PYTHONPATH=/tmp/qla-wheel:${PYTHONPATH#"$QLA_STAGE":} && unset QLA_KERNEL_LIBRARY
+        export PYTHONPATH=${PYTHONPATH#"$QLA_STAGE":} && unset QLA_KERNEL_LIBRARY
         # bundles go on sys.path in the order they were loaded: the engine's pins (QLA_PIN_BUNDLE, lib folders,
         # colon-separated) must come before the test bundle's TileLang 0.1.15
         [[ -z ${QLA_PIN_BUNDLE:-} ]] || export QLA_BUNDLES=$QLA_PIN_BUNDLE:$QLA_BUNDLES
-        python3 -c "import tilelang, qla_serving; print('tilelang', tilelang.__version__, 'qla_serving from', qla_serving.__file__)"
-        python3 -m e2e_bench.install ${QLA_INSTALL_ARGS:-} --out-dir "$OUT"
+        py=python3
+        if [[ -n ${QLA_DOCKERFILE:-} ]]; then
+          QLA_REPLAY_OFFLINE=1 QLA_DIST_DIR=$(dirname "$wheel") bash "$here/scripts/docker_replay.sh" "$QLA_DOCKERFILE" /tmp/qla-replay || exit 1
+          py=/tmp/qla-replay/bin/python
+        else
+          python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/qla-wheel "$wheel" || exit 1
+          export PYTHONPATH=/tmp/qla-wheel:$PYTHONPATH
+        fi
+        cd /tmp/qla-bench
+        $py -c "import tilelang, qla_serving; print('tilelang', tilelang.__version__, 'qla_serving from', qla_serving.__file__)"
+        $py -m e2e_bench.install ${QLA_INSTALL_ARGS:-} --out-dir "$OUT"
         rc=$?; tar -C /tmp -cJf "$OUT/install-logs.tar.xz" $(cd /tmp && ls -d qla-install/server-*.log 2>/dev/null); exit $rc
       ) 2>&1 | tee "$OUT/install.log" | tail -40 ;;
     stress)

@@ -74,3 +74,25 @@ def test_commands_print_no_stray_warnings():
         out = subprocess.run([sys.executable, "-W", "error", "-m", "qla_serving.cli", *argv], cwd="/",
                              capture_output=True, text=True)
         assert out.returncode == 0 and out.stderr == "", (argv, out.stderr[-500:])
+
+
+def test_offline_docker_replay_needs_the_from_lines_engine(tmp_path):
+    """scripts/docker_replay.sh with QLA_REPLAY_OFFLINE=1 (the GPU machine, no index) takes the
+    engine from what the python already sees, and refuses one that is not the FROM line's version
+    (here: a fake vLLM of another version on a site directory), naming both."""
+    dist, site = tmp_path / "dist", tmp_path / "image-site-packages"
+    dist.mkdir()
+    (dist / "qla_serving-0.1.0-py3-none-any.whl").write_bytes(b"")  # only looked for before the engine check
+    info = site / "vllm-0.25.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.25.1\n")
+    env = {"PATH": "/usr/bin:/bin", "QLA_REPLAY_OFFLINE": "1", "QLA_DIST_DIR": str(dist),
+           "PYTHON": sys.executable, "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+    r = subprocess.run(["bash", str(ROOT / "scripts/docker_replay.sh"), "docker/Dockerfile.vllm", str(tmp_path / "venv")],
+                       env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "offline replay: vllm here is 0.25.1, the Dockerfile's FROM is 0.26.0" in r.stderr
+    env["QLA_DIST_DIR"] = str(tmp_path / "empty")
+    r = subprocess.run(["bash", str(ROOT / "scripts/docker_replay.sh"), "docker/Dockerfile.vllm", str(tmp_path / "venv")],
+                       env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 2 and f"no built wheel in {tmp_path / 'empty'}" in r.stderr, r.stdout + r.stderr
