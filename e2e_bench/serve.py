@@ -1250,7 +1250,9 @@ def parse_args(argv):
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 128])
     p.add_argument("--prompts-per-concurrency", type=int, default=2)
-    p.add_argument("--min-prompts", type=int, default=4)
+    # a concurrency-1 point of four requests spans 16-54% in TPOT between runs of one backend
+    # (docs/e2e.md, "Side by side"): eight is the least that ranks anything there
+    p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--warmups", type=int, default=4, help="client warm-up requests per point (at most the concurrency)")
     p.add_argument("--server-warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="before the first point, run the first workload at the highest concurrency once, unmeasured")
