@@ -32,9 +32,12 @@ line=$(grep -E '^RUN pip install' "$dockerfile")
 line=${line#RUN }
 line=${line//\/opt\/qla-serving\//$dist/}
 echo "== $dockerfile: fresh venv $venv with $engine, then: $line"
-rm -rf "$venv" && "$python" -m venv "$venv"
+rm -rf "$venv"
 if [[ ${QLA_REPLAY_OFFLINE:-} == 1 ]]; then
-  # the image's packages under the venv (a .pth of this python's site directories)
+  # the image's packages under the venv (a .pth of this python's site directories), its pip and
+  # setuptools among them: a venv's own would shadow the image's (torch asks for setuptools >= 77)
+  "$python" -m venv --without-pip "$venv"
+  printf '#!/bin/sh\nexec "%s/bin/python" -m pip "$@"\n' "$venv" >"$venv/bin/pip" && chmod +x "$venv/bin/pip"
   site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
   "$python" -c 'import site, sys; print(*[p for p in sys.path if p.endswith("-packages")], sep="\n")' >"$site/base-image.pth"
   have=$("$venv/bin/python" -c "import importlib.metadata as md; print(md.version('${engine%%==*}'))" 2>/dev/null || echo none)
@@ -42,6 +45,7 @@ if [[ ${QLA_REPLAY_OFFLINE:-} == 1 ]]; then
   echo "   offline: ${engine%%==*} $have and the image's packages from $(wc -l <"$site/base-image.pth") site directories, no index"
   export PIP_NO_INDEX=1 PIP_FIND_LINKS=$dist
 else
+  "$python" -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "$engine"
 fi
 PATH=$venv/bin:$PATH bash -c "$line"
