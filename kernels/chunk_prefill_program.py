@@ -475,10 +475,18 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             T.tma_copy(o_s[:, V // 2 : V], o[row : row + C, hv, V // 2 : V])
 
     @T.macro
-    def load_start_state(S_f, h0_pool, h0_slots, h0_slot_stride, n, hv):
-        # sequence n's start state for value head hv, fp32 into the state's accumulators
-        for i, d in T.Parallel(V, K):
-            S_f[i, d] = T.cast(h0_pool[T.cast(h0_slots[n], "int64") * h0_slot_stride + hv * (V * K) + i * K + d], f32)
+    def load_start_state(S_f, Sp_f, h0_pool, h0_slots, h0_slot_stride, n, hv):
+        # sequence n's start state for value head hv, fp32 into the state's accumulators; a 16-bit
+        # pool goes through a fragment of its dtype (Sp_f): loaded and widened in one step, it
+        # made ptxas keep part of the state in local memory through every chunk of the loop
+        if pdt == f32:
+            for i, d in T.Parallel(V, K):
+                S_f[i, d] = T.cast(h0_pool[T.cast(h0_slots[n], "int64") * h0_slot_stride + hv * (V * K) + i * K + d], f32)
+        else:
+            for i, d in T.Parallel(V, K):
+                Sp_f[i, d] = h0_pool[T.cast(h0_slots[n], "int64") * h0_slot_stride + hv * (V * K) + i * K + d]
+            for i, d in T.Parallel(V, K):
+                S_f[i, d] = T.cast(Sp_f[i, d], f32)
 
     @T.prim_func
     def chunk_fwd(
@@ -532,6 +540,7 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             T.annotate_layout({o_s: make_swizzled_layout(o_s), v_s: make_swizzled_layout(v_s)})
             S_f = T.alloc_fragment((V, K), f32)
             Sb_f = T.alloc_fragment((V, K), dt)
+            Sp_f = Sb_f if pdt in (dt, f32) else T.alloc_fragment((V, K), pdt)  # the start state's 16-bit copy
             x_f = T.alloc_fragment((V, C), f32)
             u_f = T.alloc_fragment((V, C), f32)
             o_f = T.alloc_fragment((V, C), f32)
@@ -569,7 +578,7 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
             # snapshot of it) is not prep's output, and the load overlaps prep's last blocks.
             if tx < 2 * WG:
                 if first == 0 and has_initial_state[n] != 0:
-                    load_start_state(S_f, h0_pool, h0_slots, h0_slot_stride, n, hv)
+                    load_start_state(S_f, Sp_f, h0_pool, h0_slots, h0_slot_stride, n, hv)
                 else:
                     T.clear(S_f)
             # prep's outputs (g_cum here, the producer's loads below) only after prep is done:
@@ -603,7 +612,7 @@ def _build_chunk_fwd(cfg: PrefillStaticConfig, nregs=(192, 104, 24)):
                 base = T.cast(state_indices[n], "int64") * slot_stride + hv * (V * K)
                 if first == 0 and work_items[wi, 1] > 0 and has_initial_state[n] != 0:
                     # an AutoCP item whose head replays from the sequence start (above)
-                    load_start_state(S_f, h0_pool, h0_slots, h0_slot_stride, n, hv)
+                    load_start_state(S_f, Sp_f, h0_pool, h0_slots, h0_slot_stride, n, hv)
                 # The two warpgroups take turns issuing their products (each its half of V):
                 # while one's run on the tensor cores, the other does its element-wise steps.
                 # A turn is a named barrier the waiting warpgroup syncs on and the other arrives

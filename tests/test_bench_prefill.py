@@ -8,7 +8,7 @@ import torch
 from qla_serving.bench import prefill
 
 
-@pytest.mark.parametrize("impl", ["qla", "qla-nocp", "qla-packed", "fla", "flashinfer", "qwen-flashqla"])
+@pytest.mark.parametrize("impl", ["qla", "qla-nocp", "qla-packed", "qla-bf16-state", "fla", "flashinfer", "qwen-flashqla"])
 def test_standard_outputs_gives_our_layouts(impl):
     T, N, HV, D = 40, 3, 4, 8
     o = torch.randn(T, HV, D)

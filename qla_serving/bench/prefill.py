@@ -11,6 +11,8 @@ in the kernel, fp32 states, every sequence with an initial state):
 
 * ``qla``: ``chunk_gated_delta_rule_fwd`` on an fp32 state pool in place, plan built once
   outside the timed region (as every layer of a forward pass reuses it).
+* ``qla-bf16-state`` (extra): the same on a bf16 state pool, the state vLLM 0.26 keeps for
+  Qwen3-Next by default (its kernels read and write the pool in bf16, the state in fp32 between).
 * ``fla``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (``FLA_FLASH_QLA=0``), with
   ``cu_seqlens_cpu`` given, initial state ``[N, HV, K, V]`` and final state returned.
 * ``flashinfer``: ``flashinfer.gdn_prefill.chunk_gated_delta_rule`` with L2-normalised q and k,
@@ -44,8 +46,8 @@ HEAD_CONFIGS = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (16, 48), (8, 24),
 BATCHES = ["1x32768", "1x8192", "1x2048", "24576+8192", "8x4096", "8x1024"]
 IMPLS = ["qla", "fla", "flashinfer"]
 # ours with AutoCP off, to show what the planner's choice gains; FlashQLA, the Qwen team's TileLang library
-# (the 2026-11-22 results of record call it "flashqla"); ours on the engine's packed buffers
-EXTRA_IMPLS = ["qla-nocp", "qwen-flashqla", "qla-packed"]
+# (the 2026-11-22 results of record call it "flashqla"); ours on the engine's packed buffers; ours on a bf16 state pool
+EXTRA_IMPLS = ["qla-nocp", "qwen-flashqla", "qla-packed", "qla-bf16-state"]
 K = V = HEAD_DIM
 
 
@@ -123,15 +125,15 @@ def roofline_ms(lens, hqk, hv, tflops, copy_gbs) -> float:
     return 1e3 * max(flops / (tflops * 1e12), min_bytes(lens, hqk, hv) / (copy_gbs * 1e9))
 
 
-def _pool_call_buffers(x, hv, autocp=True):
+def _pool_call_buffers(x, hv, autocp=True, pool_dtype=torch.float32):
     """What our pool-form prefill is called with in a cell: the plan (the planner decides AutoCP
-    from the lengths, the head count and the SM count), a pool holding the cell's initial states
-    at slots 1..N, the slots, has-initial-state, the output, and the final states' view."""
+    from the lengths, the head count and the SM count), a pool of ``pool_dtype`` holding the cell's
+    initial states at slots 1..N, the slots, has-initial-state, the output, and the final states' view."""
     from qla_serving.plan import plan_prefill
 
     N = len(x["cu"]) - 1
     plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=None if autocp else 0)
-    pool = torch.empty(N + 1, hv, V, K, device="cuda")
+    pool = torch.empty(N + 1, hv, V, K, device="cuda", dtype=pool_dtype)
     idx = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
     has_init = torch.ones(N, dtype=torch.bool, device="cuda")
     out = torch.empty_like(x["v"])
@@ -140,11 +142,11 @@ def _pool_call_buffers(x, hv, autocp=True):
     return plan, pool, idx, has_init, out, final_state
 
 
-def runner_qla(x, hqk, hv, autocp=True):
+def runner_qla(x, hqk, hv, autocp=True, pool_dtype=torch.float32):
     from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd, warmup
 
-    warmup(hqk, hv, dtype=x["q"].dtype, beta_dtype=x["beta"].dtype, pool_dtype=torch.float32, use_qk_l2norm=True)
-    plan, pool, idx, has_init, out, final_state = _pool_call_buffers(x, hv, autocp)
+    warmup(hqk, hv, dtype=x["q"].dtype, beta_dtype=x["beta"].dtype, pool_dtype=pool_dtype, use_qk_l2norm=True)
+    plan, pool, idx, has_init, out, final_state = _pool_call_buffers(x, hv, autocp, pool_dtype)
 
     def fn():
         chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, plan=plan,
@@ -291,7 +293,8 @@ def check_against_qla(x, hqk, hv, impls) -> list[str]:
 
 
 RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer, "qwen-flashqla": runner_qwen_flashqla,
-           "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False), "qla-packed": runner_qla_packed}
+           "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False), "qla-packed": runner_qla_packed,
+           "qla-bf16-state": lambda x, hqk, hv: runner_qla(x, hqk, hv, pool_dtype=torch.bfloat16)}
 
 
 @contextlib.contextmanager
