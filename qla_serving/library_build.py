@@ -118,6 +118,54 @@ def _object_command(command: list, src: str, obj: str) -> list:
     return [*out, "-c", src, "-o", obj]
 
 
+def object_cache_dir() -> pathlib.Path | None:
+    """Where compiled objects are kept between builds ($QLA_BUILD_CACHE, default the user's cache;
+    ``off`` for none): a rebuild after an edit compiles only the kernels whose source changed."""
+    where = os.environ.get("QLA_BUILD_CACHE", "")
+    if where == "off":
+        return None
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
+    return pathlib.Path(where) if where else base / "qla-serving" / "build-objects"
+
+
+def _compile_object(command: list, src: str, obj: str, what: str) -> bool:
+    """Run ``command`` (nvcc: ``src`` to ``obj``), or copy its object from the cache when the same
+    source went through the same command and compiler before. Returns whether it was cached."""
+    import hashlib
+
+    cache = object_cache_dir()
+    path = None
+    if cache is not None:
+        h = hashlib.sha256(pathlib.Path(src).read_bytes())
+        # the command with this build's paths taken out, and the compiler's own version
+        for c in command:
+            h.update(b"\0" + (b"<src>" if c == src else b"<obj>" if c == obj else str(c).encode()))
+        h.update(_compiler_version(command[0]).encode())
+        path = cache / f"{h.hexdigest()[:32]}.o"
+        if path.is_file():
+            shutil.copyfile(path, obj)
+            return True
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"nvcc failed for {what}:\n{run.stdout}{run.stderr}")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(obj, tmp)
+        os.replace(tmp, path)  # whole or absent: parallel builds share the cache
+    return False
+
+
+_COMPILER_VERSIONS: dict[str, str] = {}
+
+
+def _compiler_version(compiler: str) -> str:
+    if compiler not in _COMPILER_VERSIONS:
+        run = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+        _COMPILER_VERSIONS[compiler] = run.stdout + run.stderr
+    return _COMPILER_VERSIONS[compiler]
+
+
 def _localize(obj: str, symbol: str) -> None:
     """Rename the object's entry points to ``<symbol>_*`` and make its other strong globals local,
     so that many kernels link into one library."""
@@ -152,9 +200,7 @@ def _build_config(cfg: WarmupConfig, work: str, index: int) -> list[dict]:
         src = os.path.join(work, f"{symbol}.cu")
         obj = os.path.join(work, f"{symbol}.o")
         pathlib.Path(src).write_text(prog.lib_code)
-        run = subprocess.run(_object_command(prog.command, src, obj), capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"nvcc failed for {kind} {key}:\n{run.stdout}{run.stderr}")
+        _compile_object(_object_command(prog.command, src, obj), src, obj, f"{kind} {key}")
         _localize(obj, symbol)
         params = library.parse_signature(prog.lib_code)
         num_args = len(prog.prim_func.params)

@@ -218,6 +218,54 @@ def test_object_command_keeps_tilelangs_flags():
         "-fPIC", "--use_fast_math", "-I/inc", "-ftz=true", "-c", "/w/k.cu", "-o", "/w/k.o"]
 
 
+def test_a_rebuild_takes_unchanged_objects_from_the_cache(tmp_path, monkeypatch):
+    """The build's object cache: the same source through the same command and compiler is not
+    compiled again (the stand-in compiler counts its runs); another source, another flag or
+    another compiler version is; QLA_BUILD_CACHE=off keeps nothing."""
+    import sys as _sys
+
+    from qla_serving import library_build
+
+    runs = tmp_path / "runs"
+    compiler = tmp_path / "fake-nvcc"
+    version = tmp_path / "version"
+    version.write_text("release 13.0")
+    # copies -c SRC to -o OBJ with its flags appended; --version prints the version file
+    compiler.write_text(f"""#!{_sys.executable}
+import sys, pathlib
+a = sys.argv[1:]
+if a == ["--version"]:
+    print(pathlib.Path({str(version)!r}).read_text()); sys.exit(0)
+with open({str(runs)!r}, "a") as f: f.write("x")
+src, obj = a[a.index("-c") + 1], a[a.index("-o") + 1]
+flags = [x for x in a if x.startswith("-f")]
+pathlib.Path(obj).write_bytes(pathlib.Path(src).read_bytes() + " ".join(flags).encode())
+""")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("QLA_BUILD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(library_build, "_COMPILER_VERSIONS", {})
+
+    def build(build_dir, source, flag="-fPIC"):
+        d = tmp_path / build_dir
+        d.mkdir(exist_ok=True)
+        src, obj = d / "k.cu", d / "k.o"
+        src.write_text(source)
+        cached = library_build._compile_object([str(compiler), flag, "-c", str(src), "-o", str(obj)], str(src), str(obj), "k")
+        return cached, obj.read_bytes()
+
+    assert build("b1", "kernel A") == (False, b"kernel A-fPIC")
+    assert build("b2", "kernel A") == (True, b"kernel A-fPIC")  # another build directory, the same object
+    assert build("b3", "kernel B") == (False, b"kernel B-fPIC")
+    assert build("b4", "kernel A", flag="-fno-PIC") == (False, b"kernel A-fno-PIC")
+    version.write_text("release 13.1")
+    monkeypatch.setattr(library_build, "_COMPILER_VERSIONS", {})
+    assert build("b5", "kernel A")[0] is False
+    monkeypatch.setenv("QLA_BUILD_CACHE", "off")
+    assert library_build.object_cache_dir() is None
+    assert build("b6", "kernel A")[0] is False
+    assert runs.read_text() == "x" * 5
+
+
 # ------------------------------------------------------------------ GPU: library == JIT
 
 
