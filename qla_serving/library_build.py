@@ -137,9 +137,11 @@ def _compile_object(command: list, src: str, obj: str, what: str) -> bool:
     path = None
     if cache is not None:
         h = hashlib.sha256(pathlib.Path(src).read_bytes())
-        # the command with this build's paths taken out, and the compiler's own version
+        # the command with this build's directory taken out (the source's name stays: the object
+        # names its kernels' cubins after it, and scripts/kernel_resources.py finds them by it),
+        # and the compiler's own version
         for c in command:
-            h.update(b"\0" + (b"<src>" if c == src else b"<obj>" if c == obj else str(c).encode()))
+            h.update(b"\0" + (os.path.basename(src).encode() if c == src else b"<obj>" if c == obj else str(c).encode()))
         h.update(_compiler_version(command[0]).encode())
         path = cache / f"{h.hexdigest()[:32]}.o"
         if path.is_file():

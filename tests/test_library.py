@@ -219,9 +219,9 @@ def test_object_command_keeps_tilelangs_flags():
 
 
 def test_a_rebuild_takes_unchanged_objects_from_the_cache(tmp_path, monkeypatch):
-    """The build's object cache: the same source through the same command and compiler is not
-    compiled again (the stand-in compiler counts its runs); another source, another flag or
-    another compiler version is; QLA_BUILD_CACHE=off keeps nothing."""
+    """The build's object cache: the same source (text and file name) through the same command and
+    compiler is not compiled again (the stand-in compiler counts its runs); another text, name,
+    flag or compiler version is; QLA_BUILD_CACHE=off keeps nothing."""
     import sys as _sys
 
     from qla_serving import library_build
@@ -245,10 +245,10 @@ pathlib.Path(obj).write_bytes(pathlib.Path(src).read_bytes() + " ".join(flags).e
     monkeypatch.setenv("QLA_BUILD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(library_build, "_COMPILER_VERSIONS", {})
 
-    def build(build_dir, source, flag="-fPIC"):
+    def build(build_dir, source, flag="-fPIC", name="k"):
         d = tmp_path / build_dir
         d.mkdir(exist_ok=True)
-        src, obj = d / "k.cu", d / "k.o"
+        src, obj = d / f"{name}.cu", d / f"{name}.o"
         src.write_text(source)
         cached = library_build._compile_object([str(compiler), flag, "-c", str(src), "-o", str(obj)], str(src), str(obj), "k")
         return cached, obj.read_bytes()
@@ -257,13 +257,14 @@ pathlib.Path(obj).write_bytes(pathlib.Path(src).read_bytes() + " ".join(flags).e
     assert build("b2", "kernel A") == (True, b"kernel A-fPIC")  # another build directory, the same object
     assert build("b3", "kernel B") == (False, b"kernel B-fPIC")
     assert build("b4", "kernel A", flag="-fno-PIC") == (False, b"kernel A-fno-PIC")
+    assert build("b4", "kernel A", name="k2")[0] is False  # another source name: its cubins are named after it
     version.write_text("release 13.1")
     monkeypatch.setattr(library_build, "_COMPILER_VERSIONS", {})
     assert build("b5", "kernel A")[0] is False
     monkeypatch.setenv("QLA_BUILD_CACHE", "off")
     assert library_build.object_cache_dir() is None
     assert build("b6", "kernel A")[0] is False
-    assert runs.read_text() == "x" * 5
+    assert runs.read_text() == "x" * 6
 
 
 # ------------------------------------------------------------------ GPU: library == JIT
