@@ -96,23 +96,11 @@ def from_library(path: pathlib.Path, kinds: list[str], tool: str) -> list[tuple[
 
 def from_prefill_configs(configs: list[list], tool: str) -> list[tuple[str, dict]]:
     """Each prefill configuration's two kernels compiled now with TileLang (nothing cached)."""
-    os.environ["QLA_KERNEL_LIBRARY_OFF"] = "1"
-    os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="tl-cache-")
-    import tilelang
-    import tilelang.contrib.nvcc as tl_nvcc
+    from library_sass import capture_jit_cubins  # beside this script
 
+    captured = capture_jit_cubins()
     from qla_serving.kernels import chunk_prefill
 
-    captured: list[bytes] = []
-    real = tl_nvcc.compile_cuda
-
-    def capture(*a, **kw):
-        binary = real(*a, **kw)
-        captured.append(bytes(binary))
-        return binary
-
-    tl_nvcc.compile_cuda = capture
-    tilelang.disable_cache()
     out = []
     for fields in configs:
         captured.clear()

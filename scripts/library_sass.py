@@ -36,21 +36,15 @@ def sass(binary_path: str) -> list[list[str]]:
     return funcs
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("library")
-    ap.add_argument("--sample", type=int, default=0, help="check N kernels spread evenly over the manifest")
-    args = ap.parse_args()
-    lib = pathlib.Path(args.library)
-    manifest = json.loads((lib / "manifest.json").read_text())
+def capture_jit_cubins() -> list[bytes]:
+    """From here on, every kernel is compiled by TileLang's JIT (no library, no cache) and each
+    cubin nvcc returns is appended to the list returned."""
     os.environ["QLA_KERNEL_LIBRARY_OFF"] = "1"
     os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="tl-cache-")
     import tilelang
     import tilelang.contrib.nvcc as tl_nvcc
-    from qla_serving.kernels import chunk_prefill, decode
-    from qla_serving.kernels.decode_tiles import DecodeTile
 
-    captured = []
+    captured: list[bytes] = []
     real = tl_nvcc.compile_cuda
 
     def capture(*a, **kw):
@@ -60,6 +54,20 @@ def main() -> int:
 
     tl_nvcc.compile_cuda = capture
     tilelang.disable_cache()
+    return captured
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("library")
+    ap.add_argument("--sample", type=int, default=0, help="check N kernels spread evenly over the manifest")
+    args = ap.parse_args()
+    lib = pathlib.Path(args.library)
+    manifest = json.loads((lib / "manifest.json").read_text())
+    captured = capture_jit_cubins()
+    from qla_serving.kernels import chunk_prefill, decode
+    from qla_serving.kernels.decode_tiles import DecodeTile
+
     ours = sass(str(lib / manifest["library"]))
     keys = list(manifest["kernels"].items())
     if args.sample and args.sample < len(keys):
