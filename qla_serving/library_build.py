@@ -16,6 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
+import hashlib
 import json
 import multiprocessing
 import os
@@ -121,18 +123,17 @@ def _object_command(command: list, src: str, obj: str) -> list:
 def object_cache_dir() -> pathlib.Path | None:
     """Where compiled objects are kept between builds ($QLA_BUILD_CACHE, default the user's cache;
     ``off`` for none): a rebuild after an edit compiles only the kernels whose source changed."""
+    from .kernels import library
+
     where = os.environ.get("QLA_BUILD_CACHE", "")
     if where == "off":
         return None
-    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
-    return pathlib.Path(where) if where else base / "qla-serving" / "build-objects"
+    return pathlib.Path(where) if where else library.USER_DIR.parent / "build-objects"  # beside the user's libraries
 
 
 def _compile_object(command: list, src: str, obj: str, what: str) -> bool:
     """Run ``command`` (nvcc: ``src`` to ``obj``), or copy its object from the cache when the same
     source went through the same command and compiler before. Returns whether it was cached."""
-    import hashlib
-
     cache = object_cache_dir()
     path = None
     if cache is not None:
@@ -158,14 +159,10 @@ def _compile_object(command: list, src: str, obj: str, what: str) -> bool:
     return False
 
 
-_COMPILER_VERSIONS: dict[str, str] = {}
-
-
+@functools.cache
 def _compiler_version(compiler: str) -> str:
-    if compiler not in _COMPILER_VERSIONS:
-        run = subprocess.run([compiler, "--version"], capture_output=True, text=True)
-        _COMPILER_VERSIONS[compiler] = run.stdout + run.stderr
-    return _COMPILER_VERSIONS[compiler]
+    run = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    return run.stdout + run.stderr
 
 
 def _localize(obj: str, symbol: str) -> None:

@@ -243,7 +243,7 @@ pathlib.Path(obj).write_bytes(pathlib.Path(src).read_bytes() + " ".join(flags).e
 """)
     compiler.chmod(0o755)
     monkeypatch.setenv("QLA_BUILD_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(library_build, "_COMPILER_VERSIONS", {})
+    library_build._compiler_version.cache_clear()
 
     def build(build_dir, source, flag="-fPIC", name="k"):
         d = tmp_path / build_dir
@@ -259,7 +259,7 @@ pathlib.Path(obj).write_bytes(pathlib.Path(src).read_bytes() + " ".join(flags).e
     assert build("b4", "kernel A", flag="-fno-PIC") == (False, b"kernel A-fno-PIC")
     assert build("b4", "kernel A", name="k2")[0] is False  # another source name: its cubins are named after it
     version.write_text("release 13.1")
-    monkeypatch.setattr(library_build, "_COMPILER_VERSIONS", {})
+    library_build._compiler_version.cache_clear()
     assert build("b5", "kernel A")[0] is False
     monkeypatch.setenv("QLA_BUILD_CACHE", "off")
     assert library_build.object_cache_dir() is None
