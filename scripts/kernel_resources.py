@@ -27,7 +27,8 @@ import subprocess
 import sys
 import tempfile
 
-INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+from library_sass import capture_jit_cubins, sass_at  # beside this script
+
 BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 LOCAL = re.compile(r"\b(LDL|STL)\b")
 
@@ -51,8 +52,9 @@ def loops(sass_lines: list[tuple[int, str]]) -> list[dict]:
     out = []
     for a, t in sass_lines:
         m = BRANCH.search(t)
-        if m and a < last_exit and int(m.group(1), 16) < a:
-            body = [x for b, x in sass_lines if int(m.group(1), 16) <= b <= a]
+        target = int(m.group(1), 16) if m else a
+        if a < last_exit and target < a:
+            body = [x for b, x in sass_lines if target <= b <= a]
             mma = sum("HGMMA" in x for x in body)
             if mma:
                 out.append({"instructions": len(body), "hgmma": mma, "local": sum(bool(LOCAL.search(x)) for x in body)})
@@ -60,20 +62,13 @@ def loops(sass_lines: list[tuple[int, str]]) -> list[dict]:
 
 
 def analyse(binary: str, tool: str) -> list[dict]:
-    """Per function of ``binary``: name, registers, stack, local accesses, HGMMA loops."""
+    """Per function of ``binary``: registers, stack, local accesses, HGMMA loops."""
     usage = subprocess.run([tool, "--dump-resource-usage", binary], capture_output=True, text=True, check=True).stdout
     regs = [(int(r), int(s)) for r, s in re.findall(r"REG:(\d+) STACK:(\d+)", usage)]
-    funcs: list[dict] = []
-    for line in subprocess.run([tool, "-sass", binary], capture_output=True, text=True, check=True).stdout.splitlines():
-        m = re.match(r"\s*Function : (\S+)", line)
-        if m:
-            funcs.append({"function": m.group(1), "sass": []})
-        elif funcs and (m := INSTR.match(line)):
-            funcs[-1]["sass"].append((int(m.group(1), 16), m.group(2)))
+    funcs = sass_at(binary, tool)
     if len(regs) != len(funcs):
         raise SystemExit(f"{binary}: {len(regs)} resource entries for {len(funcs)} functions")
-    return [{"function": f["function"], "registers": r, "stack": s,
-             "local": sum(bool(LOCAL.search(t)) for _, t in f["sass"]), "loops": loops(f["sass"])}
+    return [{"registers": r, "stack": s, "local": sum(bool(LOCAL.search(t)) for _, t in f), "loops": loops(f)}
             for f, (r, s) in zip(funcs, regs)]
 
 
@@ -96,8 +91,6 @@ def from_library(path: pathlib.Path, kinds: list[str], tool: str) -> list[tuple[
 
 def from_prefill_configs(configs: list[list], tool: str) -> list[tuple[str, dict]]:
     """Each prefill configuration's two kernels compiled now with TileLang (nothing cached)."""
-    from library_sass import capture_jit_cubins  # beside this script
-
     captured = capture_jit_cubins()
     from qla_serving.kernels import chunk_prefill
 

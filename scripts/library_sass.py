@@ -19,21 +19,26 @@ import sys
 import tempfile
 
 
-def sass(binary_path: str) -> list[list[str]]:
-    """The SASS of each function in a binary (addresses and encodings taken out); a library holds
-    many functions of one name, one per kernel."""
-    out = subprocess.run(["cuobjdump", "-sass", binary_path], check=True, capture_output=True, text=True).stdout
-    funcs: list[list[str]] = []
+def sass_at(binary_path: str, tool: str = "cuobjdump") -> list[list[tuple[int, str]]]:
+    """The SASS of each function in a binary as ``(address, instruction)`` (encodings taken out); a
+    library holds many functions of one name, one per kernel."""
+    out = subprocess.run([tool, "-sass", binary_path], check=True, capture_output=True, text=True).stdout
+    funcs: list[list[tuple[int, str]]] = []
     for line in out.splitlines():
         if re.match(r"\s*Function : \S+", line):
             funcs.append([])
             continue
         if not funcs:
             continue
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.+?)\s*;", line)  # an instruction: /*addr*/ TEXT ;
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.+?)\s*;", line)  # an instruction: /*addr*/ TEXT ;
         if m:
-            funcs[-1].append(m.group(1))
+            funcs[-1].append((int(m.group(1), 16), m.group(2)))
     return funcs
+
+
+def sass(binary_path: str) -> list[list[str]]:
+    """The SASS of each function in a binary, instructions only (addresses and encodings taken out)."""
+    return [[text for _, text in func] for func in sass_at(binary_path)]
 
 
 def capture_jit_cubins() -> list[bytes]:
