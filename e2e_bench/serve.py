@@ -1086,11 +1086,12 @@ def kernel_bound(meta: dict, rows: list[dict], runs: list[dict] | None = None, o
               if (a["workload"], a["concurrency"]) == (workload, conc)}
     point = {(r.get("backend_resolved") or r["backend"]): r for r in rows
              if (r["workload"], r["concurrency"]) == (workload, conc) and not r.get("error")}
+    mine, mine_host = med(profiles[ours], gdn), med(profiles[ours], host)
     out = []
     for versus, prs in profiles.items():
         if versus in OURS:
             continue
-        mine, theirs = med(profiles[ours], gdn), med(prs, gdn)
+        theirs = med(prs, gdn)
         saved = theirs - mine
         step, kernels = med(prs, lambda pr: pr.get("step_period_ms")), med(prs, lambda pr: pr.get("kernel_ms_per_step"))
         bound = lambda t: t / (t - saved) if t is not None and t > saved else None  # noqa: E731
@@ -1103,7 +1104,7 @@ def kernel_bound(meta: dict, rows: list[dict], runs: list[dict] | None = None, o
         b_step = bound(step)
         out.append({"workload": workload, "concurrency": conc, "versus": versus,
                     "gdn_ms_ours": mine, "gdn_ms_versus": theirs, "saved_ms": saved,
-                    "gdn_host_us_ours": med(profiles[ours], host), "gdn_host_us_versus": med(prs, host),
+                    "gdn_host_us_ours": mine_host, "gdn_host_us_versus": med(prs, host),
                     "step_ms": step, "kernel_ms": kernels, "bound_step": b_step, "bound_gpu": bound(kernels),
                     "measured": measured, "measured_from": how,
                     # a bound under 1% is below what one point can resolve: no share of it

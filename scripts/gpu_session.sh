@@ -66,6 +66,16 @@ stop_leftover_servers() {
   echo "stopping servers left by an earlier call: $(echo $pids)"
   kill $pids 2>/dev/null; sleep 10; kill -9 $pids 2>/dev/null || true
 }
+library_summary() {  # DIR ORIGIN: a library's manifest in a line, and its shared object's hash
+  python3 - "$1" "$2" <<'PY'
+import json, pathlib, sys
+out, origin = pathlib.Path(sys.argv[1]), sys.argv[2]
+m = json.loads((out / "manifest.json").read_text())
+print(f"library {m['source_digest']} from {origin}: {len(m['configs'])} configurations, "
+      f"{len(m['kernels'])} kernels, built with {m['built_with']}, in {out} (QLA_KERNEL_LIBRARY={out})")
+PY
+  sha256sum "$1"/*.so
+}
 side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's matches shown, default all]
   local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out
   local -a extra pin cpus
@@ -237,8 +247,7 @@ for step in "$@"; do
           | grep -v -E "begins to compile|completes to compile|building kernels: +[0-9]+%" | tail -5
         [[ -f $out/manifest.json ]] || exit 1
         echo "library built in $(($(date +%s) - start)) s:"
-        python3 -c "import json, sys; m = json.load(open(sys.argv[1])); print(m['source_digest'], len(m['configs']), 'configurations,', len(m['kernels']), 'kernels,', m['built_with'])" "$out/manifest.json"
-        sha256sum "$out"/*.so
+        library_summary "$out" "the sources"
       ) 2>&1 | tee "$OUT/library.log" | tail -12 ;;
     library-from-wheel)
       ( wheel=${QLA_WHEEL:?the built wheel}; [[ $wheel == /* ]] || wheel=$here/$wheel
@@ -246,19 +255,16 @@ for step in "$@"; do
         dist=${QLA_DIST_DIR:-/tmp/qla-dist}
         mkdir -p "$out" "$dist" && cp "$wheel" "$dist/" || exit 1
         python3 - "$wheel" "$out" <<'PY' || exit 1
-import json, pathlib, sys, zipfile
+import pathlib, sys, zipfile
 wheel, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-members = [n for n in zipfile.ZipFile(wheel).namelist() if "/kernels/shipped/" in n and not n.endswith("/")]
-if not any(n.endswith("/manifest.json") for n in members):
-    sys.exit(f"{wheel.name}: no kernels/shipped/manifest.json in it (a wheel built without the library)")
 with zipfile.ZipFile(wheel) as z:
+    members = [n for n in z.namelist() if "/kernels/shipped/" in n and not n.endswith("/")]
+    if not any(n.endswith("/manifest.json") for n in members):
+        sys.exit(f"{wheel.name}: no kernels/shipped/manifest.json in it (a wheel built without the library)")
     for n in members:
         (out / n.rsplit("/", 1)[1]).write_bytes(z.read(n))
-m = json.loads((out / "manifest.json").read_text())
-print(f"library {m['source_digest']} from {wheel.name}: {len(m['configs'])} configurations, "
-      f"{len(m['kernels'])} kernels, built with {m['built_with']}, in {out} (QLA_KERNEL_LIBRARY={out})")
 PY
-        sha256sum "$out"/*.so
+        library_summary "$out" "$(basename "$wheel")"
       ) 2>&1 | tee "$OUT/library.log" | tail -6 ;;
     tests-background)
       rm -rf /tmp/qla-suite-out /tmp/qla-suite.rc
