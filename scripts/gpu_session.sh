@@ -35,7 +35,8 @@
 # server starts: a fresh machine then starts its servers warm; scripts/device_caches.sh keeps them here).
 # library (the shipped kernel library built here with every CPU, `qla-serving compile --shipped`, into
 # QLA_LIBRARY_OUT, default /tmp/qla-lib: a 64-core machine builds it in about 6 minutes, a 2-core one in
-# an hour; later steps and calls use it with QLA_KERNEL_LIBRARY=/tmp/qla-lib; needs the tilelang-fi bundle).
+# an hour; later steps and calls use it with QLA_KERNEL_LIBRARY=/tmp/qla-lib; needs the tilelang-fi bundle;
+# it comes back as $OUT/qla-lib.tar.xz.NN, a few MiB, for `python scripts/library_unpack.py` to ship).
 # library-from-wheel (the shipped library of a built wheel carried in the call, QLA_WHEEL a path in the
 # checkout, unpacked into QLA_LIBRARY_OUT, default /tmp/qla-lib, and the wheel kept in QLA_DIST_DIR, default /tmp/qla-dist,
 # for a later call's install step: a wheel of 37 MiB fits a call beside the small last tilelang-fi part).
@@ -248,6 +249,7 @@ for step in "$@"; do
         [[ -f $out/manifest.json ]] || exit 1
         echo "library built in $(($(date +%s) - start)) s:"
         library_summary "$out" "the sources"
+        tar -C "$out" -cf - . | xz -T0 -6 | split -b 15M -d - "$OUT/qla-lib.tar.xz." && ls -l "$OUT"/qla-lib.tar.xz.*
       ) 2>&1 | tee "$OUT/library.log" | tail -12 ;;
     library-from-wheel)
       ( wheel=${QLA_WHEEL:?the built wheel}; [[ $wheel == /* ]] || wheel=$here/$wheel

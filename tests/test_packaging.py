@@ -6,6 +6,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -96,3 +98,71 @@ def test_offline_docker_replay_needs_the_from_lines_engine(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "scripts/docker_replay.sh"), "docker/Dockerfile.vllm", str(tmp_path / "venv")],
                        env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 2 and f"no built wheel in {tmp_path / 'empty'}" in r.stderr, r.stdout + r.stderr
+
+
+def _library_archive(tmp_path, digest, *, so=True):
+    """A library directory as `gpu_session.sh library` packs it: tar.xz split into pieces."""
+    import io
+    import json
+    import lzma
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        files = {"manifest.json": json.dumps({"format": 1, "library": "libqla_gdn_sm90a.so", "source_digest": digest,
+                                              "kernels": {"k": {}}, "built": "now", "built_with": {}}).encode()}
+        if so:
+            files["libqla_gdn_sm90a.so"] = bytes(range(256)) * 4000
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"./{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    packed = lzma.compress(buf.getvalue())
+    pieces = []
+    for i in range(0, len(packed), max(1, len(packed) // 3)):
+        pieces.append(tmp_path / f"qla-lib.tar.xz.{len(pieces):02d}")
+        pieces[-1].write_bytes(packed[i:i + max(1, len(packed) // 3)])
+    return pieces
+
+
+def _unpacker():
+    spec = importlib.util.spec_from_file_location("library_unpack", ROOT / "scripts" / "library_unpack.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_library_unpack_ships_a_library_of_these_sources(tmp_path):
+    from qla_serving.kernels import library
+
+    mod = _unpacker()
+    digest = library.source_digest()
+    assert mod.sources_digest() == digest
+    pieces = _library_archive(tmp_path, digest)
+    into = tmp_path / "shipped"
+    into.mkdir()
+    (into / "stale.txt").write_text("the library before")
+    m = mod.unpack(list(reversed(pieces)), into, digest)  # pieces are joined in name order
+    assert m["source_digest"] == digest
+    assert sorted(p.name for p in into.iterdir()) == ["libqla_gdn_sm90a.so", "manifest.json"]
+    assert (into / "libqla_gdn_sm90a.so").read_bytes() == bytes(range(256)) * 4000
+
+
+def test_library_unpack_refuses_other_sources_and_partial_archives(tmp_path):
+    mod = _unpacker()
+    into = tmp_path / "shipped"
+    into.mkdir()
+    (into / "manifest.json").write_text("{}")
+    pieces = _library_archive(tmp_path, "0123456789abcdef")
+    with pytest.raises(ValueError, match="other kernel sources: digest 0123456789abcdef, these sources ffff"):
+        mod.unpack(pieces, into, "ffffffffffffffff")
+    with pytest.raises(ValueError, match="not a complete xz archive"):
+        mod.unpack(pieces[:-1], into, "0123456789abcdef")
+    with pytest.raises(ValueError, match="missing archive pieces"):
+        mod.unpack(pieces + [tmp_path / "qla-lib.tar.xz.09"], into, "0123456789abcdef")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(ValueError, match="names shared object 'libqla_gdn_sm90a.so', not in the archive"):
+        mod.unpack(_library_archive(bare, "0123456789abcdef", so=False), into, "0123456789abcdef")
+    assert (into / "manifest.json").read_text() == "{}"  # untouched by every refusal
+    assert mod.main([str(p) for p in pieces] + ["--into", str(into)]) == 1
