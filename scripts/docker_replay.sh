@@ -13,6 +13,13 @@
 # line's version; the Dockerfile's pip line then runs unchanged but for PIP_NO_INDEX and the
 # wheel's folder as PIP_FIND_LINKS, so it resolves against what the image holds, as in a build.
 # `gpu_session.sh install` with QLA_DOCKERFILE serves through that environment.
+#
+# An image that lacks some of the engine's own requirements (the GPU machine: its bundles carry
+# what the engine imports, not all its metadata asks for) cannot resolve the line: the replay
+# lists every gap (scripts/requirements_gap.py) and stops, unless QLA_REPLAY_RESOLVED names what
+# the same line resolved to against the engine's complete environment (a replay elsewhere with
+# QLA_REPLAY_REPORT=FILE writes it); then exactly those distributions go in, from the wheel's
+# folder, after a check that the image satisfies their own requirements.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dockerfile=$1
@@ -28,6 +35,7 @@ dist=${QLA_DIST_DIR:-dist}
 [[ $dist == /* ]] || dist=$PWD/$dist
 ls "$dist"/qla_serving-*.whl >/dev/null || { echo "no built wheel in $dist" >&2; exit 2; }
 line=$(grep -E '^RUN pip install' "$dockerfile")
+written=${line#RUN }  # as the Dockerfile has it
 # the Dockerfile copies dist/ to /opt/qla-serving/: point its pip line at the wheel's folder
 line=${line#RUN }
 line=${line//\/opt\/qla-serving\//$dist/}
@@ -44,12 +52,66 @@ if [[ ${QLA_REPLAY_OFFLINE:-} == 1 ]]; then
   [[ $have == "${engine#*==}" ]] || { echo "offline replay: ${engine%%==*} here is $have, the Dockerfile's FROM is ${engine#*==}" >&2; exit 2; }
   echo "   offline: ${engine%%==*} $have and the image's packages from $(wc -l <"$site/base-image.pth") site directories, no index"
   export PIP_NO_INDEX=1 PIP_FIND_LINKS=$dist
+  gap=$("$venv/bin/python" scripts/requirements_gap.py "$engine") && image_gaps=0 || image_gaps=$(wc -l <<<"$gap")
+  ((image_gaps == 0)) || image_gaps=$((image_gaps - 1))  # (its last line is the count)
 else
   "$python" -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "$engine"
+  image_gaps=0
 fi
-PATH=$venv/bin:$PATH bash -c "$line"
-"$venv/bin/pip" check
+if ((image_gaps == 0)); then
+  run=$line
+  [[ -z ${QLA_REPLAY_REPORT:-} ]] || run+=" --report $QLA_REPLAY_REPORT.pip"
+  PATH=$venv/bin:$PATH bash -c "$run"
+  "$venv/bin/pip" check
+  if [[ -n ${QLA_REPLAY_REPORT:-} ]]; then  # what the line resolved to, for a replay on an incomplete image
+    "$venv/bin/python" - "$QLA_REPLAY_REPORT" "$dockerfile" "$engine" "$written" <<'PY'
+import json, sys
+out, dockerfile, engine, line = sys.argv[1:]
+report = json.load(open(out + ".pip"))
+install = [{"name": i["metadata"]["name"], "version": i["metadata"]["version"],
+            "requested_extras": i.get("requested_extras") or []} for i in report["install"]]
+json.dump({"dockerfile": dockerfile, "engine": engine, "line": line, "install": install}, open(out, "w"), indent=1)
+print(f"   resolution written to {out}: " + ", ".join(f"{i['name']} {i['version']}" for i in install))
+PY
+    rm -f "$QLA_REPLAY_REPORT.pip"
+  fi
+else
+  echo "   this image lacks $image_gaps of ${engine}'s requirements (so pip cannot resolve the line here):"
+  sed 's/^/     /' <<<"$gap"
+  resolved=${QLA_REPLAY_RESOLVED:-}
+  [[ -n $resolved ]] || { echo "   give QLA_REPLAY_RESOLVED=<the line's resolution against a complete ${engine} (QLA_REPLAY_REPORT of a replay there)> to install what it resolved to" >&2; exit 2; }
+  wheels=$("$venv/bin/python" - "$resolved" "$dockerfile" "$engine" "$dist" <<'PY'
+import json, pathlib, sys
+try:
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+except ImportError:  # an image without packaging: pip's copy
+    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
+res, dockerfile, engine, dist = json.load(open(sys.argv[1])), *sys.argv[2:]
+if (res["dockerfile"], res["engine"]) != (dockerfile, engine):
+    sys.exit(f"resolution {sys.argv[1]} is of {res['dockerfile']} with {res['engine']}, not {dockerfile} with {engine}")
+wheels = {(canonicalize_name(n), str(v)): w for w in pathlib.Path(dist).glob("*.whl") for n, v, *_ in [parse_wheel_filename(w.name)]}
+for i in res["install"]:
+    w = wheels.get((canonicalize_name(i["name"]), i["version"]))
+    if w is None:
+        sys.exit(f"resolution names {i['name']} {i['version']}: no such wheel in {dist}")
+    extras = f"[{','.join(i['requested_extras'])}]" if i["requested_extras"] else ""
+    print(f"{w}\t{i['name']}{extras}")
+PY
+  ) || exit 2
+  mapfile -t wanted <<<"$wheels"
+  for w in "${wanted[@]}"; do
+    echo "   resolved elsewhere: ${w#*$'\t'} from ${w%%$'\t'*}"
+    "$venv/bin/pip" install -q --no-deps --no-cache-dir "${w%%$'\t'*}"
+    "$venv/bin/python" scripts/requirements_gap.py --direct "${w#*$'\t'}" || { echo "   the image does not satisfy ${w#*$'\t'}'s own requirements" >&2; exit 1; }
+  done
+  # pip check: the image's own gaps (above) stay; none may name what went in
+  names=$(printf '%s\n' "${wanted[@]}" | cut -f2 | sed 's/\[.*//' | tr '\n' '|')
+  problems=$("$venv/bin/pip" check 2>&1 || true)
+  ours=$(grep -i -E "^(${names%|}) " <<<"$problems" || true)
+  echo "   pip check: $(grep -c . <<<"$problems") line(s) about the image's gaps, $(grep -c . <<<"$ours") about what went in"
+  [[ -z $ours ]] || { echo "$ours" >&2; exit 1; }
+fi
 cd /tmp  # the checkout's qla_serving must not stand in for the installed one
 "$venv/bin/python" - "$plugin" "$engine" <<'PY'
 import importlib, importlib.metadata as md, sys

@@ -166,3 +166,91 @@ def test_library_unpack_refuses_other_sources_and_partial_archives(tmp_path):
         mod.unpack(_library_archive(bare, "0123456789abcdef", so=False), into, "0123456789abcdef")
     assert (into / "manifest.json").read_text() == "{}"  # untouched by every refusal
     assert mod.main([str(p) for p in pieces] + ["--into", str(into)]) == 1
+
+
+def _fake_dist(site, name, version, requires=()):
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    info.joinpath("METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                         + "".join(f"Requires-Dist: {r}\n" for r in requires))
+
+
+def _gap_module():
+    spec = importlib.util.spec_from_file_location("requirements_gap", ROOT / "scripts" / "requirements_gap.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_requirements_gap_lists_every_unsatisfied_requirement_of_the_closure(tmp_path):
+    import importlib.metadata as md
+
+    site = tmp_path / "site"
+    _fake_dist(site, "engine", "1.0", ["lib-a>=2", "lib-b<1.8,>=1.7", "lib-c", "lib-e; extra == 'serve'",
+                                       "lib-f; python_version < '3'"])
+    _fake_dist(site, "lib-a", "2.1", ["lib-d==3.0"])
+    _fake_dist(site, "lib-b", "1.6.1")
+    _fake_dist(site, "lib-d", "3.1")
+    mod = _gap_module()
+    installed = {d.metadata["Name"]: d for d in md.distributions(path=[str(site)])}
+    got = {(g["requirement"], g["needed_by"], g["installed"]) for g in mod.gaps(["engine==1.0"], installed)}
+    assert got == {("lib-b<1.8,>=1.7", "engine 1.0", "1.6.1"), ("lib-c", "engine 1.0", None),
+                   ("lib-d==3.0", "lib-a 2.1", "3.1")}
+    with_extra = {g["requirement"] for g in mod.gaps(["engine[serve]==1.0"], installed)}
+    assert 'lib-e; extra == "serve"' in with_extra
+    # --direct: what installing the root asks, not its requirements' requirements
+    assert {g["requirement"] for g in mod.gaps(["engine==1.0"], installed, direct=True)} == {"lib-b<1.8,>=1.7", "lib-c"}
+    assert [g["installed"] for g in mod.gaps(["engine==2.0"], installed)] == ["1.0"]
+
+
+def _wheel(path, name, version, requires=()):
+    import zipfile
+
+    dist_info = f"{name.replace('-', '_')}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                   + "Provides-Extra: vllm\n" + "".join(f"Requires-Dist: {r}\n" for r in requires))
+        z.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist_info}/RECORD", "")
+
+
+def test_offline_docker_replay_on_an_incomplete_image_lists_its_gaps_and_installs_the_resolution(tmp_path):
+    """On an image lacking some of the engine's requirements (the GPU machine's bundles) pip cannot
+    resolve the Dockerfile's line: the replay names every gap and stops, or, given the line's
+    resolution from a complete environment, installs exactly that and checks its own requirements."""
+    import json
+
+    dist, site = tmp_path / "dist", tmp_path / "image-site-packages"
+    dist.mkdir()
+    _wheel(dist / "qla_serving-0.1.0-py3-none-any.whl", "qla-serving", "0.1.0", ['vllm>=0.26; extra == "vllm"'])
+    _fake_dist(site, "vllm", "0.26.0", ["llguidance<1.8.0,>=1.7.0", "opencv-python-headless>=4.13.0"])
+    _fake_dist(site, "llguidance", "1.6.1")
+    env = {"PATH": "/usr/bin:/bin", "QLA_REPLAY_OFFLINE": "1", "QLA_DIST_DIR": str(dist),
+           "PYTHON": sys.executable, "PYTHONPATH": str(site), "HOME": str(tmp_path)}
+    replay = ["bash", str(ROOT / "scripts/docker_replay.sh"), "docker/Dockerfile.vllm", str(tmp_path / "venv")]
+    r = subprocess.run(replay, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "this image lacks 2 of vllm==0.26.0's requirements" in r.stdout
+    assert "llguidance<1.8.0,>=1.7.0  (has 1.6.1; needed by vllm 0.26.0)" in r.stdout
+    assert "opencv-python-headless>=4.13.0  (missing; needed by vllm 0.26.0)" in r.stdout
+    assert "give QLA_REPLAY_RESOLVED=" in r.stderr
+    resolution = {"dockerfile": "docker/Dockerfile.sglang", "engine": "vllm==0.26.0", "line": "pip install ...",
+                  "install": [{"name": "qla-serving", "version": "0.1.0", "requested_extras": ["vllm"]}]}
+    res = tmp_path / "resolution.json"
+    res.write_text(json.dumps(resolution))
+    r = subprocess.run(replay, env={**env, "QLA_REPLAY_RESOLVED": str(res)}, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 2 and "is of docker/Dockerfile.sglang with vllm==0.26.0, not docker/Dockerfile.vllm" in r.stderr
+    res.write_text(json.dumps({**resolution, "dockerfile": "docker/Dockerfile.vllm",
+                               "install": [{"name": "qla-serving", "version": "0.2.0", "requested_extras": []}]}))
+    r = subprocess.run(replay, env={**env, "QLA_REPLAY_RESOLVED": str(res)}, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 2 and "resolution names qla-serving 0.2.0: no such wheel in" in r.stderr
+    res.write_text(json.dumps({**resolution, "dockerfile": "docker/Dockerfile.vllm"}))
+    r = subprocess.run(replay, env={**env, "QLA_REPLAY_RESOLVED": str(res)}, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert "resolved elsewhere: qla-serving[vllm] from" in r.stdout, r.stdout + r.stderr
+    assert "0 requirement(s) of qla-serving[vllm] not satisfied here" in r.stdout
+    assert "pip check: 2 line(s) about the image's gaps, 0 about what went in" in r.stdout
+    # (the replay then imports the plugin, which this fake wheel does not hold)
+    assert r.returncode != 0 and "qla-serving's entry point is not installed" in r.stderr
