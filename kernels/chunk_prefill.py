@@ -141,7 +141,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale: float, plan, state_po
 
 def chunk_gated_delta_rule_fwd_packed(qkv, a, b, A_log, dt_bias, *, num_qk_heads: int, a_stride: int,
                                       b_stride: int, scale: float, plan, state_pool, state_indices,
-                                      has_initial_state, checkpoints=None, out) -> None:
+                                      has_initial_state, checkpoints=None, out, bind: dict | None = None) -> None:
     """The same prefill on the engine's own buffers, read in place: no pass splits, normalises or
     gates them first. No host sync, no per-shape compile.
 
@@ -156,6 +156,11 @@ def chunk_gated_delta_rule_fwd_packed(qkv, a, b, A_log, dt_bias, *, num_qk_heads
         scale, plan, state_pool, state_indices, has_initial_state, checkpoints: as
             :func:`chunk_gated_delta_rule_fwd`.
         out: ``[T, HV, V]`` contiguous, qkv's dtype; fully written.
+        bind: a dict that receives, as ``bind["prefill"]``, this call as a :class:`BoundPrefill`
+            taking the addresses of qkv, a, b, A_log, dt_bias, state_pool and out
+            (:data:`PREFILL_BOUND_INPUTS`): another layer's tensors of the same shapes, strides
+            and dtypes, with this plan, state_indices and has_initial_state, run with it alone.
+            Library kernels without checkpoints only; left untouched otherwise.
     """
     T_, HV = qkv.shape[0], out.shape[1]
     if T_ == 0 or plan.num_seqs == 0:
@@ -168,7 +173,30 @@ def chunk_gated_delta_rule_fwd_packed(qkv, a, b, A_log, dt_bias, *, num_qk_heads
     flat = [library.launch_arg(x, ((T_ - 1) * st + HV,), (1,), span_device) for x, st in ((a, a_stride), (b, b_stride))]
     _launch(cfg, kernels, (qkv, *flat, A_log, dt_bias, int(a_stride), int(b_stride)), (qkv, qkv, qkv), T_, scale=scale,
             plan=plan, state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
-            checkpoints=checkpoints, out=out)
+            checkpoints=checkpoints, out=out, bind=bind)
+
+
+# The tensors whose addresses a bound packed prefill takes, in order (``bind`` above).
+PREFILL_BOUND_INPUTS = ("qkv", "a", "b", "A_log", "dt_bias", "state_pool", "out")
+
+
+class BoundPrefill:
+    """A packed prefill call with everything fixed but the layer's own tensors: prep and
+    chunk_fwd bound to the step's plan, slots, flags and workspaces (kept alive here), and, where
+    AutoCP splits a sequence, the start-state snapshot refreshed from the layer's pool first."""
+
+    __slots__ = ("prep", "fwd", "snapshot", "state_indices", "_keep")
+
+    def __init__(self, prep: library.BoundKernel, fwd: library.BoundKernel, snapshot, state_indices, keep: tuple):
+        self.prep, self.fwd, self.snapshot, self.state_indices, self._keep = prep, fwd, snapshot, state_indices, keep
+
+    def __call__(self, ptrs, state_pool: torch.Tensor) -> None:
+        """Run on ``ptrs`` (the addresses of :data:`PREFILL_BOUND_INPUTS`); ``state_pool`` is the
+        layer's pool (its address is ``ptrs[5]``), read for the snapshot."""
+        if self.snapshot is not None:
+            torch.index_select(state_pool, 0, self.state_indices, out=self.snapshot)
+        self.prep(ptrs)
+        self.fwd(ptrs)
 
 
 _unused_checkpoints: dict[tuple, torch.Tensor] = {}
@@ -192,10 +220,11 @@ def _launch_empty(plan, state_pool, state_indices, has_initial_state) -> None:
 
 
 def _launch(cfg: PrefillStaticConfig, kernels, prep_inputs: tuple, fwd_inputs: tuple, T_: int, *, scale, plan,
-            state_pool, state_indices, has_initial_state, checkpoints, out) -> dict:
+            state_pool, state_indices, has_initial_state, checkpoints, out, bind: dict | None = None) -> dict:
     """Runs ``kernels`` (``cfg``'s prep and chunk_fwd) on a batch of ``T_ > 0`` tokens: ``prep``
     gets ``prep_inputs`` before the plan's tables and workspaces, ``chunk_fwd`` gets ``fwd_inputs``
-    (its q, k, v) before them. Returns the workspaces (t_beta, g_cum, qk_rnorm) for stage tests."""
+    (its q, k, v) before them. Returns the workspaces (t_beta, g_cum, qk_rnorm) for stage tests.
+    ``bind``: the packed entry's (its prep inputs are :data:`PREFILL_BOUND_INPUTS`' first five)."""
     H, HV = cfg.num_qk_heads, cfg.num_v_heads
     assert HV % H == 0 and out.shape == (T_, HV, HEAD_DIM) and _TORCH_TO_TL[out.dtype] == cfg.dtype
     dt = out.dtype
@@ -217,6 +246,7 @@ def _launch(cfg: PrefillStaticConfig, kernels, prep_inputs: tuple, fwd_inputs: t
     span_device = dev if isinstance(fwd, library.LibraryKernel) else None
     flat_pool = library.pool_arg(state_pool, span_device)
     h0_pool, h0_slots, h0_stride = flat_pool, state_indices, state_pool.stride(0)
+    snapshot = None
     if plan.context_parallel is not None:
         # Several work items of one sequence run at once and the last one writes the final
         # state into the slot the others read their start state from: they read a snapshot.
@@ -228,8 +258,19 @@ def _launch(cfg: PrefillStaticConfig, kernels, prep_inputs: tuple, fwd_inputs: t
     # (the kernel takes the flags as uint8: a view of another dtype, which as_strided cannot give)
     has_initial = (library.Span(has_initial_state.data_ptr(), tuple(has_initial_state.shape), dev)
                    if span_device is not None else has_initial_state.view(torch.uint8))
-    prep(*prep_inputs, plan.chunk_bounds, t_beta, g_cum, qk_rnorm)
-    fwd(*fwd_inputs, t_beta, g_cum, qk_rnorm, cu, plan.chunk_offsets, items, plan.checkpoint_offsets,
-        has_initial, h0_slots, h0_pool, h0_stride, state_indices, flat_pool,
-        state_pool.stride(0), every_chunks, ckpt, float(LOG_DECAY_THRESHOLD), float(scale), out)
+    prep_args = (*prep_inputs, plan.chunk_bounds, t_beta, g_cum, qk_rnorm)
+    fwd_args = (*fwd_inputs, t_beta, g_cum, qk_rnorm, cu, plan.chunk_offsets, items, plan.checkpoint_offsets,
+                has_initial, h0_slots, h0_pool, h0_stride, state_indices, flat_pool,
+                state_pool.stride(0), every_chunks, ckpt, float(LOG_DECAY_THRESHOLD), float(scale), out)
+    prep(*prep_args)
+    fwd(*fwd_args)
+    if bind is not None and every_chunks == 0 and span_device is not None and isinstance(prep, library.LibraryKernel):
+        # argument position -> PREFILL_BOUND_INPUTS index: qkv, a, b, A_log, dt_bias for prep;
+        # qkv (as q, k and v), the pool (flat, and as the start states without a snapshot), out
+        fwd_slots = {0: 0, 1: 0, 2: 0, 15: 5, 21: 6}
+        if snapshot is None:
+            fwd_slots[12] = 5
+        bind["prefill"] = BoundPrefill(
+            prep.bind(prep_args, {0: 0, 1: 1, 2: 2, 3: 3, 4: 4}), fwd.bind(fwd_args, fwd_slots), snapshot,
+            state_indices, keep=(plan, t_beta, g_cum, qk_rnorm, ckpt, state_indices, has_initial_state, snapshot))
     return dict(t_beta=t_beta, g_cum=g_cum, qk_rnorm=qk_rnorm)

@@ -195,6 +195,7 @@ def gated_delta_rule_decode_fwd(
     inplace_final_state: bool = True,
     min_slot: int = 0,
     token_strides: tuple[int, ...] | None = None,
+    bind: dict | None = None,
 ) -> None:
     """Run the fused decode step (kernel entry point; the op layer validates the inputs).
 
@@ -221,6 +222,11 @@ def gated_delta_rule_decode_fwd(
         min_slot: the lowest slot number of a live row (0: ``-1`` marks padding).
         token_strides: :func:`token_stride` of q, k, v, a and b when the caller has them (the op
             works them out to decide its copies); worked out here when None.
+        bind: a dict that receives, as ``bind["decode"]``, this launch as a
+            :class:`~.library.BoundKernel` taking the addresses of q, k, v, a, b, A_log, dt_bias,
+            state_pool and out (:data:`DECODE_BOUND_INPUTS`, in that order): another layer's
+            tensors of the same shapes, strides and dtypes, with these state_indices, launch with
+            it alone. Library kernels without intermediate states only; left untouched otherwise.
 
     No host synchronisation and no allocation: CUDA-graph capturable once the configuration
     is compiled (call :func:`warmup` or run once before capture).
@@ -275,24 +281,18 @@ def gated_delta_rule_decode_fwd(
     # (unused by the kernel compiled without intermediates)
     inter_flat = pool_flat if intermediate_states is None else arg(
         intermediate_states, (intermediate_states.numel(),), (1,), span_device)
-    kernel(
-        *q_k,
-        *v_a_b,
-        A_log,
-        dt_bias,
-        pool_flat,
-        state_indices,
-        out,
-        inter_flat,
-        slot_stride // vec,
-        strides[0] // (H * K),
-        strides[1] // (H * K),
-        strides[2],
-        strides[3],
-        strides[4],
-        int(min_slot),
-        float(scale),
-    )
+    args = (*q_k, *v_a_b, A_log, dt_bias, pool_flat, state_indices, out, inter_flat, slot_stride // vec,
+            strides[0] // (H * K), strides[1] // (H * K), strides[2], strides[3], strides[4], int(min_slot),
+            float(scale))
+    kernel(*args)
+    if bind is not None and intermediate_states is None and isinstance(kernel, library.LibraryKernel):
+        # argument position -> DECODE_BOUND_INPUTS index (the pool is read and written through
+        # the unused intermediates argument's slot too)
+        bind["decode"] = kernel.bind(args, {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 7, 9: 8, 10: 7})
+
+
+# The tensors whose addresses a bound decode launch takes, in order (``bind`` above).
+DECODE_BOUND_INPUTS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "out")
 
 
 def compiled_kernels() -> int:
@@ -301,6 +301,7 @@ def compiled_kernels() -> int:
 
 
 __all__ = [
+    "DECODE_BOUND_INPUTS",
     "MAX_TOKENS",
     "DecodeTile",
     "compiled_kernels",

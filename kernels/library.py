@@ -189,7 +189,8 @@ class LibraryKernel:
                                        f"{self._error().decode(errors='replace')}")
             self._ready.add(device)
 
-    def __call__(self, *args) -> None:
+    def _marshal(self, args) -> tuple[int, list]:
+        """``args`` as the C launcher takes them (the stream last, left 0) and their device."""
         if len(args) != self._num_args:
             raise TypeError(f"{self.symbol}: {len(args)} arguments, the kernel takes {self._num_args}")
         device = args[self._first_ptr].device.index
@@ -197,9 +198,44 @@ class LibraryKernel:
         c_args += [args[i].shape[d] for i, d in self._dynamic]
         if device not in self._ready:
             self._ensure_init(device)
-        c_args.append(_current_stream(device))
+        c_args.append(0)
+        return device, c_args
+
+    def __call__(self, *args) -> None:
+        device, c_args = self._marshal(args)
+        c_args[-1] = _current_stream(device)
         if self._call(*c_args) != 0:
             raise RuntimeError(f"{self.symbol}: launch failed: {self._error().decode(errors='replace')}")
+
+    def bind(self, args, slots: dict[int, int]) -> "BoundKernel":
+        """This launch with every argument fixed but the pointer arguments at ``slots``'
+        positions: ``{argument position: index into the pointer list given at launch}``."""
+        for pos in slots:
+            if not self._ptr[pos]:
+                raise ValueError(f"{self.symbol}: argument {pos} is not a pointer")
+        device, c_args = self._marshal(args)
+        return BoundKernel(self, device, c_args, tuple(slots.items()))
+
+
+class BoundKernel:
+    """A library kernel's launch with everything fixed but some pointers (:meth:`LibraryKernel.bind`):
+    what a step's later GDN layers rerun with their own tensors' addresses, where the rest of
+    the arguments (the step's plan, slots, workspaces, sizes) are the same for every layer."""
+
+    __slots__ = ("kernel", "device", "_c_args", "_slots")
+
+    def __init__(self, kernel: LibraryKernel, device: int, c_args: list, slots: tuple):
+        self.kernel, self.device, self._c_args, self._slots = kernel, device, c_args, slots
+
+    def __call__(self, ptrs) -> None:
+        """Launch with ``ptrs[i]`` (device addresses) at the positions bound to ``i``, on the
+        current stream."""
+        c_args = self._c_args.copy()
+        for pos, i in self._slots:
+            c_args[pos] = ptrs[i]
+        c_args[-1] = _current_stream(self.device)
+        if self.kernel._call(*c_args) != 0:
+            raise RuntimeError(f"{self.kernel.symbol}: launch failed: {self.kernel._error().decode(errors='replace')}")
 
 
 def _on_device(device: int):
@@ -382,6 +418,6 @@ def has(kind: str, config) -> bool:
     return _holder(kind, config)[0] is not None
 
 
-__all__ = ["FORMAT", "TILELANG_VERSION", "KernelUnavailable", "LibraryKernel", "describe_search_path", "has",
+__all__ = ["FORMAT", "TILELANG_VERSION", "BoundKernel", "KernelUnavailable", "LibraryKernel", "describe_search_path", "has",
            "kernel_key", "libraries", "lookup", "parse_signature", "reset", "search_path", "source_digest",
            "tilelang_for", "tilelang_unsupported_reason"]

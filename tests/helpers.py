@@ -1,4 +1,4 @@
-"""Random inputs for the tests: fresh on every run (the seed comes from conftest)."""
+"""Random inputs for the tests (fresh on every run: the seed comes from conftest), and a stand-in kernel library."""
 
 from __future__ import annotations
 
@@ -58,3 +58,36 @@ def verify_ref(q, k, v, a, b, A_log, dt_bias, initial_state, N: int, T: int):
     HV, V = v.shape[-2:]
     return recurrent_decode_ref(q.view(N, T, H, K), k.view(N, T, H, K), v.view(N, T, HV, V), a.view(N, T, HV),
                                 b.view(N, T, HV), A_log, dt_bias, initial_state, scale=K**-0.5)
+
+
+class RecordingLib:
+    """Stands in for a kernel library's CDLL: every ``<symbol>_call`` records its C arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name.endswith("_call"):
+            def call(*args):
+                self.calls.append(args)
+                return 0
+            return call
+        return (lambda: b"") if name.endswith("_get_last_error") else (lambda: 0)
+
+
+def recorded_kernel(lib, symbol, args):
+    """A LibraryKernel for ``lib`` whose C parameters follow ``args`` (a call's arguments as a
+    TileLang kernel receives them): a pointer per tensor, then a shape variable per tensor dim."""
+    params, dynamic = [], []
+    for i, a in enumerate(args):
+        if hasattr(a, "data_ptr"):
+            params.append(["ptr", f"arg{i}"])
+            dynamic += [[f"arg{i}_dim{d}", i, d] for d in range(len(a.shape))]
+        else:
+            params.append(["float" if isinstance(a, float) else "int64_t", f"arg{i}"])
+    entry = dict(symbol=symbol, num_args=len(args), dynamic=dynamic, params=params + [["int", d[0]] for d in dynamic])
+    from qla_serving.kernels import library
+
+    return library.LibraryKernel(lib, entry, "test")

@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 import torch
+from helpers import RecordingLib, recorded_kernel
 from qla_serving.kernels import chunk_prefill, decode, library
 from qla_serving.kernels.decode_tiles import DecodeTile
 
@@ -368,23 +369,6 @@ def test_library_prefill_kernels_match_jit_bit_for_bit():
     assert checked
 
 
-class _RecordingLib:
-    """Stands in for a kernel library's CDLL: every ``<symbol>_call`` records its C arguments."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if name.endswith("_call"):
-            def call(*args):
-                self.calls.append(args)
-                return 0
-            return call
-        return (lambda: b"") if name.endswith("_get_last_error") else (lambda: 0)
-
-
 # The decode kernel's C parameters in the entry's argument order (11 buffers, then its scalars),
 # and a shape variable for the leading dimension of every buffer whose length TileLang reads.
 _DECODE_BUFFERS = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "pool", "state_indices", "o", "inter"]
@@ -401,7 +385,7 @@ def test_decode_entry_hands_a_library_kernel_spans_with_the_views_arguments(monk
     monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
     entry = dict(symbol="decode", num_args=len(_DECODE_BUFFERS) + len(_DECODE_SCALARS), dynamic=_DECODE_DYNAMIC,
                  params=[["ptr", n] for n in _DECODE_BUFFERS] + _DECODE_SCALARS + [["int", d[0]] for d in _DECODE_DYNAMIC])
-    lib = _RecordingLib()
+    lib = RecordingLib()
     kernel = library.LibraryKernel(lib, entry, "test")
     H, HV, K = 2, 8, 128
     # The engine's layout: q, k, v column ranges of one packed conv output, a and b halves of one
@@ -434,20 +418,6 @@ def test_decode_entry_hands_a_library_kernel_spans_with_the_views_arguments(monk
         assert spans[12:17] == (row // (H * K), row // (H * K), row, 2 * HV, 2 * HV)
 
 
-def _recorded_kernel(lib, symbol, args):
-    """A LibraryKernel for ``lib`` whose C parameters follow ``args`` (a call's arguments as a
-    TileLang kernel receives them): a pointer per tensor, then a shape variable per tensor dim."""
-    params, dynamic = [], []
-    for i, a in enumerate(args):
-        if hasattr(a, "data_ptr"):
-            params.append(["ptr", f"arg{i}"])
-            dynamic += [[f"arg{i}_dim{d}", i, d] for d in range(len(a.shape))]
-        else:
-            params.append(["float" if isinstance(a, float) else "int64_t", f"arg{i}"])
-    entry = dict(symbol=symbol, num_args=len(args), dynamic=dynamic, params=params + [["int", d[0]] for d in dynamic])
-    return library.LibraryKernel(lib, entry, "test")
-
-
 def _prefill_spans_and_views(monkeypatch, call, fresh):
     """Run a prefill entry (``call()``) three times with ``chunk_prefill._kernel_set`` stubbed:
     with probes (the view path's arguments, which lay out the C parameters), then with library
@@ -464,8 +434,8 @@ def _prefill_spans_and_views(monkeypatch, call, fresh):
         call()
 
     run(tuple((lambda name: lambda *args: seen.__setitem__(name, args))(name) for name in ("prep", "fwd")))
-    lib = _RecordingLib()
-    prep, fwd = (_recorded_kernel(lib, name, seen[name]) for name in ("prep", "fwd"))
+    lib = RecordingLib()
+    prep, fwd = (recorded_kernel(lib, name, seen[name]) for name in ("prep", "fwd"))
 
     def c_args():
         (p_args, f_args) = lib.calls[-2:]
@@ -531,3 +501,149 @@ def test_packed_prefill_entry_hands_library_kernels_spans_with_the_views_argumen
     assert seen["prep"][1].shape == ((T - 1) * 2 * HV + HV,) and seen["prep"][5:7] == (2 * HV, 2 * HV)
     assert views == spans
     assert spans[0][:3] == [qkv.data_ptr(), a.data_ptr(), b.data_ptr()] and spans[1][:3] == [qkv.data_ptr()] * 3
+
+
+def _engine_decode_inputs(N, H, HV, K, slots_total=7):
+    """One layer's decode inputs in vLLM's layout: q, k, v column ranges of one conv output, a and
+    b halves of one gate projection, a pool with padded slots, an output buffer."""
+    packed = torch.randn(N, (2 * H + HV) * K, dtype=torch.bfloat16)
+    q, k, v = (x.view(N, 1, -1, K) for x in packed.split([H * K, H * K, HV * K], dim=-1))
+    a, b = (x.view(N, 1, HV) for x in torch.randn(N, 2 * HV, dtype=torch.bfloat16).split([HV, HV], dim=-1))
+    pool = torch.randn(slots_total, HV * K * K + 64)[:, : HV * K * K].view(slots_total, HV, K, K)
+    return dict(q=q, k=k, v=v, a=a, b=b, A_log=torch.randn(HV), dt_bias=torch.randn(HV), state_pool=pool,
+                out=torch.empty(N, 1, HV, K, dtype=torch.bfloat16))
+
+
+def test_bound_decode_launch_gives_a_later_layer_the_arguments_of_its_own_call(monkeypatch):
+    """The decode entry's ``bind``: the first layer's launch rerun with a second layer's addresses
+    passes the kernel exactly the C arguments the entry passes for that layer's own call."""
+    monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
+    entry = dict(symbol="decode", num_args=len(_DECODE_BUFFERS) + len(_DECODE_SCALARS), dynamic=_DECODE_DYNAMIC,
+                 params=[["ptr", n] for n in _DECODE_BUFFERS] + _DECODE_SCALARS + [["int", d[0]] for d in _DECODE_DYNAMIC])
+    lib = RecordingLib()
+    kernel = library.LibraryKernel(lib, entry, "test")
+    monkeypatch.setattr(decode, "_get_kernel", lambda key: kernel)
+    N, H, HV, K = 5, 2, 8, 128
+    slots = torch.randperm(7)[:N].to(torch.int32)
+    layers = [_engine_decode_inputs(N, H, HV, K) for _ in range(2)]
+
+    def call(t, bind=None):
+        decode.gated_delta_rule_decode_fwd(t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"], t["dt_bias"],
+                                           state_pool=t["state_pool"], state_indices=slots, scale=0.125,
+                                           use_qk_l2norm=True, out=t["out"], min_slot=1, bind=bind)
+        return lib.calls.pop()
+
+    holder = {}
+    first = call(layers[0], holder)
+    own = call(layers[1])
+    holder["decode"]([layers[1][name].data_ptr() for name in decode.DECODE_BOUND_INPUTS])
+    assert lib.calls.pop() == own != first
+    # a bound launch leaves nothing of the first layer's but the step's slots
+    assert slots.data_ptr() in own and not {layers[0][n].data_ptr() for n in decode.DECODE_BOUND_INPUTS} & set(own)
+    holder2 = {}
+    decode.gated_delta_rule_decode_fwd(*(layers[0][n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")),
+                                       state_pool=layers[0]["state_pool"], state_indices=slots, scale=0.125,
+                                       use_qk_l2norm=True, out=layers[0]["out"], min_slot=1, bind=holder2,
+                                       intermediate_states=torch.empty(N, 1, HV, K, K), inplace_final_state=False)
+    assert holder2 == {}  # intermediates (speculative verify) are not bound
+    with pytest.raises(ValueError, match="argument 11 is not a pointer"):
+        kernel.bind((), {11: 0})
+
+
+def test_ops_bind_only_launches_that_read_their_inputs_in_place(monkeypatch):
+    """A launch bound to a copy the op made (an input the kernel cannot read in place) would read
+    that copy in every later layer: the ops hand the entry ``bind`` only when nothing was copied."""
+    import qla_serving
+    from qla_serving import backend
+    from qla_serving.plan import plan_prefill
+
+    got = []
+    monkeypatch.setattr(backend, "kernel_entry", lambda *a, **k: (lambda *args, **kw: got.append(kw["bind"])))
+    N, H, HV, K = 3, 2, 4, 128
+    t = _engine_decode_inputs(N, H, HV, K)
+    slots = torch.tensor([1, 2, 3], dtype=torch.int32)
+    args = [t[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool")]
+    holder = {}
+    qla_serving.gated_delta_rule_decode(*args, slots, out=t["out"], min_slot=1, bind=holder)
+    args[2] = t["v"].transpose(2, 3).contiguous().transpose(2, 3)  # [HV, V] not contiguous: the op copies v
+    qla_serving.gated_delta_rule_decode(*args, slots, out=t["out"], min_slot=1, bind=holder)
+    assert got == [holder, None]
+    got.clear()
+    plan = plan_prefill([0, 40, 100], device="cpu", num_v_heads=HV)
+    ab = torch.randn(100, 2 * HV, dtype=torch.bfloat16)
+    qkv = torch.randn(100, (2 * H + HV) * K, dtype=torch.bfloat16)
+    for a in (ab[:, :HV], ab[:, :HV].t().contiguous().t()):  # a column range is read in place; a transposed copy is not
+        qla_serving.chunk_gated_delta_rule_pool_packed(
+            qkv, a, ab[:, HV:], torch.randn(HV), torch.randn(HV), torch.zeros(4, HV, K, K),
+            torch.tensor([0, 2], dtype=torch.int32), num_qk_heads=H, plan=plan, bind=holder)
+    assert got == [holder, None]
+
+
+@pytest.mark.parametrize("lens,cp", [([700, 3, 129], False), ([4096], True)])
+def test_bound_packed_prefill_gives_a_later_layer_the_arguments_of_its_own_call(monkeypatch, lens, cp):
+    """The packed prefill entry's ``bind``: prep and chunk_fwd rerun with a second layer's addresses
+    get that layer's own C arguments, the step's workspaces and tables kept (allocated once, not
+    per layer); under AutoCP the start-state snapshot is refreshed from the second layer's pool."""
+    from qla_serving.plan import plan_prefill
+
+    H, HV, K = 2, 8, 128
+    T = sum(lens)
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    plan = plan_prefill(cu, device="cpu", num_v_heads=HV, sm_count=132, cp_segment_tokens=1024 if cp else 0)
+    assert (plan.context_parallel is not None) == cp
+    slots = torch.randperm(5)[: len(lens)].to(torch.int32)
+    has_initial = torch.rand(len(lens)) < 0.5
+
+    def layer():
+        ab = torch.randn(T, 2 * HV, dtype=torch.bfloat16)
+        return dict(qkv=torch.randn(T, (2 * H + HV) * K, dtype=torch.bfloat16), a=ab[:, :HV], b=ab[:, HV:],
+                    A_log=torch.randn(HV), dt_bias=torch.randn(HV, dtype=torch.bfloat16),
+                    state_pool=torch.randn(5, HV, K, K), out=torch.empty(T, HV, K, dtype=torch.bfloat16))
+
+    layers = [layer(), layer()]
+
+    def call(t, bind=None):
+        chunk_prefill.chunk_gated_delta_rule_fwd_packed(
+            t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], num_qk_heads=H, a_stride=2 * HV, b_stride=2 * HV,
+            scale=K**-0.5, plan=plan, state_pool=t["state_pool"], state_indices=slots, has_initial_state=has_initial,
+            out=t["out"], bind=bind)
+
+    monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
+    seen = {}
+    monkeypatch.setattr(chunk_prefill, "_kernel_set",
+                        lambda cfg: tuple((lambda n: lambda *args: seen.__setitem__(n, args))(n) for n in ("prep", "fwd")))
+    call(layers[0])
+    lib = RecordingLib()
+    kernels = tuple(recorded_kernel(lib, name, seen[name]) for name in ("prep", "fwd"))
+    monkeypatch.setattr(chunk_prefill, "_kernel_set", lambda cfg: kernels)
+    holder = {}
+    call(layers[0], holder)
+    first = lib.calls[-2:]
+    call(layers[1])
+    own = lib.calls[-2:]
+    bound = holder["prefill"]
+    assert (bound.snapshot is not None) == cp
+    bound([layers[1][n].data_ptr() for n in chunk_prefill.PREFILL_BOUND_INPUTS], layers[1]["state_pool"])
+    replayed = lib.calls[-2:]
+    # fresh per call in the entry, once per step in the bound launch: prep's workspaces (its last
+    # three buffers), chunk_fwd's first three after q, k, v, and AutoCP's snapshot
+    fresh = {"prep": (8, 9, 10), "fwd": (3, 4, 5, 12) if cp else (3, 4, 5)}
+    for i, name in enumerate(("prep", "fwd")):
+        keep = [j for j in range(len(own[i])) if j not in fresh[name]]
+        assert [replayed[i][j] for j in keep] == [own[i][j] for j in keep]
+        assert [replayed[i][j] for j in fresh[name]] == [first[i][j] for j in fresh[name]]
+    if cp:
+        assert torch.equal(bound.snapshot, layers[1]["state_pool"][slots.long()])
+    # what a bound launch cannot rerun is not bound: checkpoints
+    ck_plan = plan_prefill(cu, device="cpu", num_v_heads=HV, sm_count=132, checkpoint_every=64)
+    holder = {}
+    chunk_prefill.chunk_gated_delta_rule_fwd_packed(
+        layers[0]["qkv"], layers[0]["a"], layers[0]["b"], layers[0]["A_log"], layers[0]["dt_bias"], num_qk_heads=H,
+        a_stride=2 * HV, b_stride=2 * HV, scale=K**-0.5, plan=ck_plan, state_pool=layers[0]["state_pool"],
+        state_indices=slots, has_initial_state=has_initial, out=layers[0]["out"],
+        checkpoints=torch.empty(ck_plan.num_checkpoints, HV, K, K), bind=holder)
+    assert holder == {}

@@ -245,6 +245,7 @@ def chunk_gated_delta_rule_pool_packed(
     checkpoints: torch.Tensor | None = None,
     checkpoint_every: int | None = None,
     out: torch.Tensor | None = None,
+    bind: dict | None = None,
 ) -> torch.Tensor:
     """:func:`chunk_gated_delta_rule_pool` on the engine's own buffers: the conv output holding q,
     k and v, and the raw gate inputs. The kernels read them in place and make the gates and the
@@ -265,6 +266,13 @@ def chunk_gated_delta_rule_pool_packed(
             checkpoints, checkpoint_every: as :func:`chunk_gated_delta_rule_pool`.
         num_qk_heads: ``H``; ``HV`` is ``A_log``'s length, a multiple of ``H``.
         out: optional ``[T, HV, V]`` output buffer in qkv's dtype, contiguous.
+        bind: optional dict that receives ``bind["prefill"]``, this call bound to everything but
+            the addresses of qkv, a, b, A_log, dt_bias, state_pool and out
+            (``qla_serving.kernels.chunk_prefill.PREFILL_BOUND_INPUTS``; called with them and the
+            pool): for the same call on another layer's tensors of identical shapes, strides and
+            dtypes with this plan, state_indices and has_initial_state (an engine's later GDN
+            layers of a step), without the checks. Set only where the kernels read every input in
+            place from a precompiled library, without checkpoints.
 
     Returns:
         ``o``: ``[T, HV, V]``, qkv's dtype.
@@ -285,10 +293,13 @@ def chunk_gated_delta_rule_pool_packed(
     for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
         checks.expect_dtype(name, x, (torch.float32, qkv.dtype))
     checks.expect_same_device(qkv.device, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    given = (qkv, a, b)
     a, a_stride = _gate_input("a", a, T, HV)
     b, b_stride = _gate_input("b", b, T, HV)
     if qkv.stride(-1) != 1 or T > 1 and qkv.stride(0) != qkv.shape[1] or qkv.data_ptr() % 16:
         qkv = qkv.contiguous()
+    if bind is not None and any(x is not y for x, y in zip((qkv, a, b), given)):
+        bind = None  # a launch bound to a copy would read this call's copy in every later call
     plan, has_initial_state, out = _check_pool_call(
         T, HV, V, K, qkv.dtype, qkv.device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu, has_initial_state,
         plan, checkpoints, checkpoint_every, out, "qkv")
@@ -297,7 +308,7 @@ def chunk_gated_delta_rule_pool_packed(
     if fwd is not None:
         fwd(qkv, a, b, A_log, dt_bias, num_qk_heads=H, a_stride=a_stride, b_stride=b_stride, scale=scale, plan=plan,
             state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
-            checkpoints=checkpoints, out=out)
+            checkpoints=checkpoints, out=out, bind=bind)
         return out
     q, k, v = (x.contiguous() for x in qkv.split([H * K, H * K, HV * V], dim=-1))
     g, beta = gdn_gate_ref(a, b, A_log, dt_bias, dtype=torch.float32)

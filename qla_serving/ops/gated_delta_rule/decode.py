@@ -61,6 +61,7 @@ def gated_delta_rule_decode(
     inplace_final_state: bool = True,
     out: torch.Tensor | None = None,
     min_slot: int = 0,
+    bind: dict | None = None,
 ) -> torch.Tensor:
     """One decode step (or up to 16 tokens per sequence, for speculative verify).
 
@@ -96,6 +97,12 @@ def gated_delta_rule_decode(
         out: optional output buffer of v's shape and q's dtype.
         min_slot: the lowest slot of a live row (default 0). vLLM passes 1: its padded rows
             point at its null block 0, which no request owns.
+        bind: optional dict that receives ``bind["decode"]``, this call's launch bound to
+            everything but the addresses of q, k, v, a, b, A_log, dt_bias, state_pool and out
+            (``qla_serving.kernels.decode.DECODE_BOUND_INPUTS``): for the same call on another
+            layer's tensors of identical shapes, strides and dtypes with these state_indices
+            (an engine's later GDN layers of a step), without the checks. Set only where the
+            kernels read every input in place from a precompiled library, without intermediates.
 
     Returns:
         ``o``: v's shape (``[N, HV, V]`` or ``[N, T, HV, V]``), q's dtype.
@@ -130,11 +137,14 @@ def gated_delta_rule_decode(
     # Row-strided views are read in place (the kernel module's rule); anything else is copied into
     # the layout the kernel reads. The strides go to the kernel entry as they are.
     rule = _kernel().token_stride
+    given = (q, k, v, a, b)
     q, st_q = _readable(rule, q, (H, K), H * K, aligned=True)
     k, st_k = _readable(rule, k, (H, K), H * K, aligned=True)
     v, st_v = _readable(rule, v, (HV, V))
     a, st_a = _readable(rule, a, (HV,))
     b, st_b = _readable(rule, b, (HV,))
+    if bind is not None and any(x is not y for x, y in zip((q, k, v, a, b), given)):
+        bind = None  # a launch bound to a copy would read this call's copy in every later call
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True,
                         min_slot=min_slot)
     if intermediate_states is not None:
@@ -157,7 +167,7 @@ def gated_delta_rule_decode(
         fwd(q, k, v, a, b, A_log, dt_bias, state_pool=state_pool, state_indices=state_indices, scale=scale,
             use_qk_l2norm=use_qk_l2norm_in_kernel, out=out, intermediate_states=intermediate_states,
             inplace_final_state=inplace_final_state, min_slot=min_slot,
-            token_strides=(st_q, st_k, st_v, st_a, st_b))
+            token_strides=(st_q, st_k, st_v, st_a, st_b), bind=bind)
     else:
         live = state_indices >= max(min_slot, 0)
         slots = state_indices.long().clamp(min=0)
