@@ -36,6 +36,15 @@ def packed_prefill() -> bool:
     return os.environ.get("QLA_PREFILL_PACKED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def bound_launches() -> bool:
+    """Whether the vLLM adapter, with ``QLA_BOUND_LAUNCH=1``, runs a step's later GDN layers on
+    the launches its first layer bound (the ops' ``bind``: the same kernels and step constants,
+    each layer's own tensor addresses, its layout checked equal) instead of calling the ops,
+    their checks and the kernel entries again per layer. Off by default until the GPU suite has
+    run it."""
+    return os.environ.get("QLA_BOUND_LAUNCH", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 @functools.lru_cache(maxsize=None)
 def device_unsupported_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run on ``device`` at all, or None when they can."""

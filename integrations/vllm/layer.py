@@ -125,6 +125,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         self.qla_active = active
         # decided once, as the warm-up's kernel set was (QLA_PREFILL_PACKED)
         self.qla_packed_prefill = backend.packed_prefill()
+        self.qla_bound_launch = backend.bound_launches()
         if active:
             # vLLM >= 0.28 can send (speculative) decode to a fused CUDA kernel that bypasses
             # _forward_core (the flag is enable_fused_gdn_decode in 0.28-0.31,
@@ -241,7 +242,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             (x_d, x_p), (a_d, a_p), (b_d, b_p) = (_rows(t, nd, end) for t in (qkv_ns, a_ns, b_ns))
             if peel_decodes:
                 self._qla_decode(x_d, a_d, b_d, ssm_state, md.non_spec_state_indices_tensor[: md.num_decodes],
-                                 core_attn_out[:nd])
+                                 core_attn_out[:nd], md)
             # (outputs are written in place: plain slices, taken as they are written)
             out = core_attn_out[nd:end] if not spec else None
             o_ns = self._qla_prefill(x_p, a_p, b_p, ssm_state, md, out)
@@ -252,10 +253,10 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             slots = md.non_spec_state_indices_tensor
             if qkv_ns.shape[0] == nd and slots.shape[0] == nd and core_attn_out.shape[0] == nd:
                 # every row a decode (eager steps): the tensors as they are, no slicing op
-                self._qla_decode(qkv_ns, a_ns, b_ns, ssm_state, slots, core_attn_out)
+                self._qla_decode(qkv_ns, a_ns, b_ns, ssm_state, slots, core_attn_out, md)
             else:
                 x_d, a_d, b_d = (_rows(t, 0, nd)[1] for t in (qkv_ns, a_ns, b_ns))
-                self._qla_decode(x_d, a_d, b_d, ssm_state, slots[:nd], core_attn_out[:nd])
+                self._qla_decode(x_d, a_d, b_d, ssm_state, slots[:nd], core_attn_out[:nd], md)
 
         if spec:
             if only_spec:
@@ -352,11 +353,25 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if self.qla_packed_prefill:
             # the conv output and the gate inputs as vLLM has them: the kernels split, normalise
             # and gate (no fused_post_conv_prep pass)
-            return qla_serving.chunk_gated_delta_rule_pool_packed(
+            bound = md.qla_bound if self.qla_bound_launch and out is not None else None
+            if bound is not None:
+                A_log, dt_bias = self.A_log, self.dt_bias
+                key = ("prefill", x.shape, x.stride(), x.dtype, a.stride(), b.stride(), out.shape, out.stride(),
+                       ssm_state.shape, ssm_state.stride(), ssm_state.dtype, A_log.dtype, dt_bias.dtype)
+                launch = bound.get(key)
+                if launch is not None and x.data_ptr() % 16 == 0:
+                    launch((x.data_ptr(), a.data_ptr(), b.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
+                            ssm_state.data_ptr(), out.data_ptr()), ssm_state)
+                    return out
+            holder = {} if bound is not None else None
+            o = qla_serving.chunk_gated_delta_rule_pool_packed(
                 x, a, b, self.A_log, self.dt_bias, ssm_state, md.qla_prefill_state_indices,
                 num_qk_heads=self.num_k_heads // self.tp_size, has_initial_state=md.qla_prefill_has_initial_state,
-                scale=self.head_k_dim**-0.5, plan=md.qla_plan, out=out,
+                scale=self.head_k_dim**-0.5, plan=md.qla_plan, out=out, bind=holder,
             )
+            if holder:
+                bound[key] = holder["prefill"]
+            return o
         q, k, v, g, beta, l2_in_kernel = self._qla_prefill_inputs(x, a, b)
         return qla_serving.chunk_gated_delta_rule_pool(
             q, k, v, g, beta, ssm_state, md.qla_prefill_state_indices,
@@ -381,17 +396,36 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         g, beta = gdn_gate_ref(a, b, self.A_log, self.dt_bias, dtype=torch.float32)
         return q, k, v, g, beta, True
 
-    def _qla_decode(self, x, a, b, ssm_state, slots, out) -> None:
+    def _qla_decode(self, x, a, b, ssm_state, slots, out, md=None) -> None:
         """One token per row, state read and written in place at ``slots`` (vLLM's: its null
         block marks a padded row). q, k, v, a and b are read where vLLM left them (views, no
-        copies); the op gets the ``[N, 1, ...]`` form it runs."""
+        copies); the op gets the ``[N, 1, ...]`` form it runs. With ``QLA_BOUND_LAUNCH`` a later
+        layer of the step reruns the first one's bound launch on its own addresses."""
         N = x.shape[0]
+        bound = md.qla_bound if self.qla_bound_launch and md is not None else None
+        if bound is not None:
+            A_log, dt_bias = self.A_log, self.dt_bias
+            key = ("decode", x.shape, x.stride(), x.dtype, a.stride(), b.stride(), out.shape, out.stride(),
+                   ssm_state.shape, ssm_state.stride(), ssm_state.dtype, A_log.dtype, dt_bias.dtype,
+                   slots.data_ptr(), slots.shape)
+            launch = bound.get(key)
+            if launch is not None and x.data_ptr() % 16 == 0:
+                # q, k and v are column ranges of the conv output's rows
+                q = x.data_ptr()
+                k = q + (self.num_k_heads // self.tp_size) * self.head_k_dim * x.element_size()
+                v = 2 * k - q
+                launch((q, k, v, a.data_ptr(), b.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
+                        ssm_state.data_ptr(), out.data_ptr()))
+                return
+        holder = {} if bound is not None else None
         q, k, v = self._qkv_views(x, N, 1)
         qla_serving.gated_delta_rule_decode(
             q, k, v, a.view(N, 1, -1), b.view(N, 1, -1), self.A_log, self.dt_bias,
             ssm_state, slots, scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True,
-            out=out.view(N, 1, *out.shape[1:]), min_slot=VLLM_NULL_BLOCK_ID + 1,
+            out=out.view(N, 1, *out.shape[1:]), min_slot=VLLM_NULL_BLOCK_ID + 1, bind=holder,
         )
+        if holder:
+            bound[key] = holder["decode"]
 
     def _qla_spec_decode(self, x, a, b, ssm_state, md):
         """Speculative verify: ``T = num_spec + 1`` tokens per row.

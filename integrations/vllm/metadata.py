@@ -41,6 +41,8 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
             rows the plan keeps, or None when it keeps them all.
         qla_spec_uniform: with speculative rows, whether every one has ``num_spec + 1``
             tokens (host-side, so the layer knows without a sync); None without them.
+        qla_bound: the step's bound launches (``QLA_BOUND_LAUNCH``), filled by its first GDN
+            layer and rerun by the others: layout key -> launch.
     """
 
     qla_plan: PrefillPlan | None = None
@@ -48,6 +50,7 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
     qla_prefill_has_initial_state: torch.Tensor | None = None
     qla_prefill_rows: torch.Tensor | None = None
     qla_spec_uniform: bool | None = None
+    qla_bound: dict = dataclasses.field(default_factory=dict)
 
 
 def prefill_query_lens_cpu(
