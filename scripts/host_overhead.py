@@ -408,6 +408,7 @@ SHIMS = {
     "index_select": _shape_index_select,
     "clone": _shape_clone,
     "copy_": lambda x, src, non_blocking=False: x,
+    "index_select.out": lambda x, dim, index, *, out: out,  # a bound prefill's AutoCP snapshot refresh
 }
 HEAVY_US = 5.0  # device ops slower than this on the CPU are data work: timed as shims
 
@@ -448,7 +449,9 @@ def time_levels(layer_call, rec: Recorder, reps: int, warmup: int) -> dict:
         for func, args, kwargs in calls:
             if median_us(lambda: func(*args, **kwargs), 20, 2) > HEAVY_US:
                 name = func.overloadpacket.__name__
-                (heavy if name in SHIMS and func._overloadname == "default" else unshimmable).add(name)
+                if func._overloadname != "default":
+                    name += f".{func._overloadname}"
+                (heavy if name in SHIMS else unshimmable).add(name)
     levels = [ADAPTER] + [k for k in rec.calls if rec.calls[k]]
     rows = {}
     with DataShims(heavy):
