@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import os
 import shutil
 import subprocess
 
@@ -647,3 +648,96 @@ def test_bound_packed_prefill_gives_a_later_layer_the_arguments_of_its_own_call(
         state_indices=slots, has_initial_state=has_initial, out=layers[0]["out"],
         checkpoints=torch.empty(ck_plan.num_checkpoints, HV, K, K), bind=holder)
     assert holder == {}
+
+
+def _bound_or_skip(holder: dict, key: str):
+    """The bound launch of an op call, which exists only for library kernels: an error where a
+    library was named (``QLA_KERNEL_LIBRARY``, as the GPU session runs the suite), else a skip."""
+    if key not in holder:
+        if os.environ.get("QLA_KERNEL_LIBRARY"):
+            pytest.fail(f"the op bound no {key} launch although QLA_KERNEL_LIBRARY is set")
+        pytest.skip("the kernels came from TileLang, not a library: nothing is bound")
+    return holder[key]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_bound_decode_on_the_gpu_writes_what_the_op_writes(pool_dtype):
+    """A later layer's decode on the launch the first layer bound: output and pool bit for bit what
+    the op writes for that layer (engine layout: packed conv output, gate halves, a padded row)."""
+    import qla_serving
+
+    N, H, HV, K = 6, 4, 16, 128
+    dev = "cuda"
+    slots = torch.tensor([3, 0, 7, 1, 5, 8], dtype=torch.int32, device=dev)  # 0: vLLM's null block
+
+    def layer():
+        packed = torch.randn(N, (2 * H + HV) * K, device=dev).to(torch.bfloat16)
+        q, k, v = (x.view(N, -1, K) for x in packed.split([H * K, H * K, HV * K], dim=-1))
+        a, b = torch.randn(N, 2 * HV, device=dev).to(torch.bfloat16).split([HV, HV], dim=-1)
+        # (vLLM's parameter dtypes, the shipped library's: A_log float32, dt_bias the activations')
+        return dict(q=q, k=k, v=v, a=a, b=b, A_log=torch.rand(HV, device=dev),
+                    dt_bias=torch.randn(HV, device=dev).to(torch.bfloat16),
+                    state_pool=(0.3 * torch.randn(9, HV, K, K, device=dev)).to(pool_dtype),
+                    out=torch.full((N, HV, K), float("nan"), device=dev, dtype=torch.bfloat16))
+
+    def op(t, bind=None):
+        qla_serving.gated_delta_rule_decode(*(t[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool")),
+                                            slots, out=t["out"], min_slot=1, bind=bind)
+
+    first, second = layer(), layer()
+    holder = {}
+    op(first, holder)
+    bound = _bound_or_skip(holder, "decode")
+    ref = {**second, "state_pool": second["state_pool"].clone(), "out": second["out"].clone()}
+    op(ref)
+    bound([second[n].data_ptr() for n in decode.DECODE_BOUND_INPUTS])
+    torch.cuda.synchronize()
+    assert torch.equal(second["out"], ref["out"]) and torch.equal(second["state_pool"], ref["state_pool"])
+    assert not second["out"][1].any()  # the padded row: zero output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,cp", [([700, 3, 129], False), ([9000, 300], True)])
+def test_bound_packed_prefill_on_the_gpu_writes_what_the_op_writes(pool_dtype, lens, cp):
+    """A later layer's packed prefill on the launches the first layer bound (the step's workspaces
+    reused; under AutoCP the snapshot refreshed from this layer's pool): output and pool bit for
+    bit what the op writes for that layer."""
+    import qla_serving
+    from qla_serving.plan import plan_prefill
+
+    H, HV, K = 2, 8, 128
+    dev, T = "cuda", sum(lens)
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    plan = plan_prefill(cu, device=dev, num_v_heads=HV, cp_segment_tokens=1024 if cp else 0)
+    assert (plan.context_parallel is not None) == cp
+    slots = torch.tensor([4, 1, 6][: len(lens)], dtype=torch.int32, device=dev)
+    has_initial = torch.tensor([True, False, True][: len(lens)], device=dev)
+
+    def layer():
+        ab = torch.randn(T, 2 * HV, device=dev).to(torch.bfloat16)
+        return dict(qkv=torch.randn(T, (2 * H + HV) * K, device=dev).to(torch.bfloat16), a=ab[:, :HV], b=ab[:, HV:],
+                    A_log=torch.empty(HV, device=dev).uniform_(0.0, 1.5),
+                    dt_bias=torch.empty(HV, device=dev).uniform_(-3.0, 0.0).to(torch.bfloat16),
+                    state_pool=(0.3 * torch.randn(8, HV, K, K, device=dev)).to(pool_dtype),
+                    out=torch.full((T, HV, K), float("nan"), device=dev, dtype=torch.bfloat16))
+
+    def op(t, bind=None):
+        qla_serving.chunk_gated_delta_rule_pool_packed(
+            t["qkv"], t["a"], t["b"], t["A_log"], t["dt_bias"], t["state_pool"], slots, num_qk_heads=H, plan=plan,
+            has_initial_state=has_initial, out=t["out"], bind=bind)
+
+    first, second = layer(), layer()
+    holder = {}
+    op(first, holder)
+    bound = _bound_or_skip(holder, "prefill")
+    assert (bound.snapshot is not None) == cp
+    ref = {**second, "state_pool": second["state_pool"].clone(), "out": second["out"].clone()}
+    op(ref)
+    bound([second[n].data_ptr() for n in chunk_prefill.PREFILL_BOUND_INPUTS], second["state_pool"])
+    torch.cuda.synchronize()
+    assert torch.isfinite(second["out"]).all()
+    assert torch.equal(second["out"], ref["out"]) and torch.equal(second["state_pool"], ref["state_pool"])
