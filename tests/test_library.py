@@ -378,16 +378,22 @@ _DECODE_SCALARS = [["int64_t", "slot_stride_vec"], ["int", "q_stride"], ["int", 
 _DECODE_DYNAMIC = [[f"{n}_len", i, 0] for i, n in enumerate(_DECODE_BUFFERS)] + [["q_heads", 0, 1], ["k_heads", 1, 1]]
 
 
-@pytest.mark.parametrize("N,T,inter", [(5, 1, False), (1, 1, False), (3, 4, True)])
-def test_decode_entry_hands_a_library_kernel_spans_with_the_views_arguments(monkeypatch, N, T, inter):
-    """The decode entry gives a library kernel pointer-and-shape spans where a TileLang kernel gets
-    strided views of the engine's buffers: the launcher must receive the same C arguments."""
+def _recording_decode_kernel(monkeypatch):
+    """A library decode kernel with the entry's C parameters whose launches record their arguments
+    (on the CPU: no device context, a fixed stream handle)."""
     monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
     entry = dict(symbol="decode", num_args=len(_DECODE_BUFFERS) + len(_DECODE_SCALARS), dynamic=_DECODE_DYNAMIC,
                  params=[["ptr", n] for n in _DECODE_BUFFERS] + _DECODE_SCALARS + [["int", d[0]] for d in _DECODE_DYNAMIC])
     lib = RecordingLib()
-    kernel = library.LibraryKernel(lib, entry, "test")
+    return lib, library.LibraryKernel(lib, entry, "test")
+
+
+@pytest.mark.parametrize("N,T,inter", [(5, 1, False), (1, 1, False), (3, 4, True)])
+def test_decode_entry_hands_a_library_kernel_spans_with_the_views_arguments(monkeypatch, N, T, inter):
+    """The decode entry gives a library kernel pointer-and-shape spans where a TileLang kernel gets
+    strided views of the engine's buffers: the launcher must receive the same C arguments."""
+    lib, kernel = _recording_decode_kernel(monkeypatch)
     H, HV, K = 2, 8, 128
     # The engine's layout: q, k, v column ranges of one packed conv output, a and b halves of one
     # gate projection, a pool whose slots are padded apart.
@@ -449,19 +455,25 @@ def _prefill_spans_and_views(monkeypatch, call, fresh):
     return seen, spans, c_args()
 
 
-@pytest.mark.parametrize("lens,cp", [([700, 3, 129, 64], False), ([4096], True)])
-def test_prefill_entry_hands_library_kernels_spans_with_the_views_arguments(monkeypatch, lens, cp):
-    """Like the decode entry: the prefill kernels get spans of the pool, the has-initial flags and
-    the AutoCP snapshot where TileLang kernels get views, and the same C arguments arrive."""
+def _cpu_plan(lens, HV, cp):
+    """``(T, cu_seqlens, plan)`` of sequences of ``lens`` on the CPU as an H100 plans them, with
+    AutoCP (1024-token segments) or without."""
     from qla_serving.plan import plan_prefill
 
-    H, HV, K = 2, 8, 128
-    T = sum(lens)
     cu = [0]
     for L in lens:
         cu.append(cu[-1] + L)
     plan = plan_prefill(cu, device="cpu", num_v_heads=HV, sm_count=132, cp_segment_tokens=1024 if cp else 0)
     assert (plan.context_parallel is not None) == cp
+    return cu[-1], cu, plan
+
+
+@pytest.mark.parametrize("lens,cp", [([700, 3, 129, 64], False), ([4096], True)])
+def test_prefill_entry_hands_library_kernels_spans_with_the_views_arguments(monkeypatch, lens, cp):
+    """Like the decode entry: the prefill kernels get spans of the pool, the has-initial flags and
+    the AutoCP snapshot where TileLang kernels get views, and the same C arguments arrive."""
+    H, HV, K = 2, 8, 128
+    T, cu, plan = _cpu_plan(lens, HV, cp)
     q, k = torch.randn(T, H, K, dtype=torch.bfloat16), torch.randn(T, H, K, dtype=torch.bfloat16)
     v, out = torch.randn(T, HV, K, dtype=torch.bfloat16), torch.empty(T, HV, K, dtype=torch.bfloat16)
     g, beta = -torch.rand(T, HV), torch.rand(T, HV)
@@ -518,12 +530,7 @@ def _engine_decode_inputs(N, H, HV, K, slots_total=7):
 def test_bound_decode_launch_gives_a_later_layer_the_arguments_of_its_own_call(monkeypatch):
     """The decode entry's ``bind``: the first layer's launch rerun with a second layer's addresses
     passes the kernel exactly the C arguments the entry passes for that layer's own call."""
-    monkeypatch.setattr(library, "_on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(library, "_current_stream", lambda device: 0x5EED)
-    entry = dict(symbol="decode", num_args=len(_DECODE_BUFFERS) + len(_DECODE_SCALARS), dynamic=_DECODE_DYNAMIC,
-                 params=[["ptr", n] for n in _DECODE_BUFFERS] + _DECODE_SCALARS + [["int", d[0]] for d in _DECODE_DYNAMIC])
-    lib = RecordingLib()
-    kernel = library.LibraryKernel(lib, entry, "test")
+    lib, kernel = _recording_decode_kernel(monkeypatch)
     monkeypatch.setattr(decode, "_get_kernel", lambda key: kernel)
     N, H, HV, K = 5, 2, 8, 128
     slots = torch.randperm(7)[:N].to(torch.int32)
@@ -589,12 +596,7 @@ def test_bound_packed_prefill_gives_a_later_layer_the_arguments_of_its_own_call(
     from qla_serving.plan import plan_prefill
 
     H, HV, K = 2, 8, 128
-    T = sum(lens)
-    cu = [0]
-    for L in lens:
-        cu.append(cu[-1] + L)
-    plan = plan_prefill(cu, device="cpu", num_v_heads=HV, sm_count=132, cp_segment_tokens=1024 if cp else 0)
-    assert (plan.context_parallel is not None) == cp
+    T, cu, plan = _cpu_plan(lens, HV, cp)
     slots = torch.randperm(5)[: len(lens)].to(torch.int32)
     has_initial = torch.rand(len(lens)) < 0.5
 

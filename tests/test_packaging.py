@@ -125,8 +125,9 @@ def _library_archive(tmp_path, digest, *, so=True):
     return pieces
 
 
-def _unpacker():
-    spec = importlib.util.spec_from_file_location("library_unpack", ROOT / "scripts" / "library_unpack.py")
+def _script(name):
+    """One of scripts/*.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -135,7 +136,7 @@ def _unpacker():
 def test_library_unpack_ships_a_library_of_these_sources(tmp_path):
     from qla_serving.kernels import library
 
-    mod = _unpacker()
+    mod = _script("library_unpack")
     digest = library.source_digest()
     assert mod.sources_digest() == digest
     pieces = _library_archive(tmp_path, digest)
@@ -149,7 +150,7 @@ def test_library_unpack_ships_a_library_of_these_sources(tmp_path):
 
 
 def test_library_unpack_refuses_other_sources_and_partial_archives(tmp_path):
-    mod = _unpacker()
+    mod = _script("library_unpack")
     into = tmp_path / "shipped"
     into.mkdir()
     (into / "manifest.json").write_text("{}")
@@ -175,13 +176,6 @@ def _fake_dist(site, name, version, requires=()):
                                          + "".join(f"Requires-Dist: {r}\n" for r in requires))
 
 
-def _gap_module():
-    spec = importlib.util.spec_from_file_location("requirements_gap", ROOT / "scripts" / "requirements_gap.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_requirements_gap_lists_every_unsatisfied_requirement_of_the_closure(tmp_path):
     import importlib.metadata as md
 
@@ -191,7 +185,7 @@ def test_requirements_gap_lists_every_unsatisfied_requirement_of_the_closure(tmp
     _fake_dist(site, "lib-a", "2.1", ["lib-d==3.0"])
     _fake_dist(site, "lib-b", "1.6.1")
     _fake_dist(site, "lib-d", "3.1")
-    mod = _gap_module()
+    mod = _script("requirements_gap")
     installed = {d.metadata["Name"]: d for d in md.distributions(path=[str(site)])}
     got = {(g["requirement"], g["needed_by"], g["installed"]) for g in mod.gaps(["engine==1.0"], installed)}
     assert got == {("lib-b<1.8,>=1.7", "engine 1.0", "1.6.1"), ("lib-c", "engine 1.0", None),

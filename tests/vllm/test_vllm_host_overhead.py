@@ -131,6 +131,13 @@ def test_bound_launches_give_later_layers_the_kernel_arguments_of_their_own_call
         real = getattr(qla_serving, attr)
         monkeypatch.setattr(qla_serving, attr, (lambda n, f: lambda *a, **kw: ops.__setitem__(n, ops[n] + 1) or f(*a, **kw))(name, real))
 
+    lib = RecordingLib()
+
+    def calls() -> list:
+        got = list(lib.calls)
+        lib.calls.clear()
+        return got
+
     def step(bound: bool) -> list:
         for layer in layers:
             layer.qla_bound_launch = bound
@@ -147,18 +154,10 @@ def test_bound_launches_give_later_layers_the_kernel_arguments_of_their_own_call
     monkeypatch.setattr(decode, "_get_kernel", lambda key: lambda *args: seen.__setitem__("decode", args))
     monkeypatch.setattr(chunk_prefill, "_kernel_set",
                         lambda cfg: tuple((lambda n: lambda *args: seen.__setitem__(n, args))(n) for n in ("prep", "fwd")))
-    calls = list
     step(False)
-    lib = RecordingLib()
     kernels = {n: recorded_kernel(lib, n, seen[n]) for n in ("decode", "prep", "fwd")}
     monkeypatch.setattr(decode, "_get_kernel", lambda key: kernels["decode"])
     monkeypatch.setattr(chunk_prefill, "_kernel_set", lambda cfg: (kernels["prep"], kernels["fwd"]))
-
-    def calls():
-        got = list(lib.calls)
-        lib.calls.clear()
-        return got
-
     own = step(False)
     assert ops == {"decode": 2, "prefill": 2} and len(own) == 6  # per layer: decode, prep, chunk_fwd
     rerun = step(True)
