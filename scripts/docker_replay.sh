@@ -35,9 +35,9 @@ dist=${QLA_DIST_DIR:-dist}
 [[ $dist == /* ]] || dist=$PWD/$dist
 ls "$dist"/qla_serving-*.whl >/dev/null || { echo "no built wheel in $dist" >&2; exit 2; }
 line=$(grep -E '^RUN pip install' "$dockerfile")
-written=${line#RUN }  # as the Dockerfile has it
-# the Dockerfile copies dist/ to /opt/qla-serving/: point its pip line at the wheel's folder
 line=${line#RUN }
+written=$line  # as the Dockerfile has it
+# the Dockerfile copies dist/ to /opt/qla-serving/: point its pip line at the wheel's folder
 line=${line//\/opt\/qla-serving\//$dist/}
 echo "== $dockerfile: fresh venv $venv with $engine, then: $line"
 rm -rf "$venv"
