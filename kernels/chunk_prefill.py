@@ -188,6 +188,7 @@ class BoundPrefill:
     __slots__ = ("prep", "fwd", "snapshot", "state_indices", "_keep")
 
     def __init__(self, prep: library.BoundKernel, fwd: library.BoundKernel, snapshot, state_indices, keep: tuple):
+        # keep: the other tensors whose addresses the launches hold (the plan's tables, the workspaces)
         self.prep, self.fwd, self.snapshot, self.state_indices, self._keep = prep, fwd, snapshot, state_indices, keep
 
     def __call__(self, ptrs, state_pool: torch.Tensor) -> None:
@@ -272,5 +273,5 @@ def _launch(cfg: PrefillStaticConfig, kernels, prep_inputs: tuple, fwd_inputs: t
             fwd_slots[12] = 5
         bind["prefill"] = BoundPrefill(
             prep.bind(prep_args, {0: 0, 1: 1, 2: 2, 3: 3, 4: 4}), fwd.bind(fwd_args, fwd_slots), snapshot,
-            state_indices, keep=(plan, t_beta, g_cum, qk_rnorm, ckpt, state_indices, has_initial_state, snapshot))
+            state_indices, keep=(plan, t_beta, g_cum, qk_rnorm, ckpt, has_initial_state))
     return dict(t_beta=t_beta, g_cum=g_cum, qk_rnorm=qk_rnorm)

@@ -201,11 +201,14 @@ class LibraryKernel:
         c_args.append(0)
         return device, c_args
 
-    def __call__(self, *args) -> None:
-        device, c_args = self._marshal(args)
+    def _launch(self, device: int, c_args: list) -> None:
+        """Call the C launcher with ``c_args`` (as :meth:`_marshal` gives them) on the current stream."""
         c_args[-1] = _current_stream(device)
         if self._call(*c_args) != 0:
             raise RuntimeError(f"{self.symbol}: launch failed: {self._error().decode(errors='replace')}")
+
+    def __call__(self, *args) -> None:
+        self._launch(*self._marshal(args))
 
     def bind(self, args, slots: dict[int, int]) -> "BoundKernel":
         """This launch with every argument fixed but the pointer arguments at ``slots``'
@@ -233,9 +236,7 @@ class BoundKernel:
         c_args = self._c_args.copy()
         for pos, i in self._slots:
             c_args[pos] = ptrs[i]
-        c_args[-1] = _current_stream(self.device)
-        if self.kernel._call(*c_args) != 0:
-            raise RuntimeError(f"{self.kernel.symbol}: launch failed: {self.kernel._error().decode(errors='replace')}")
+        self.kernel._launch(self.device, c_args)
 
 
 def _on_device(device: int):
