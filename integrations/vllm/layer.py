@@ -353,24 +353,18 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if self.qla_packed_prefill:
             # the conv output and the gate inputs as vLLM has them: the kernels split, normalise
             # and gate (no fused_post_conv_prep pass)
-            bound = md.qla_bound if self.qla_bound_launch and out is not None else None
-            if bound is not None:
-                A_log, dt_bias = self.A_log, self.dt_bias
-                key = ("prefill", x.shape, x.stride(), x.dtype, a.stride(), b.stride(), out.shape, out.stride(),
-                       ssm_state.shape, ssm_state.stride(), ssm_state.dtype, A_log.dtype, dt_bias.dtype)
-                launch = bound.get(key)
-                if launch is not None and x.data_ptr() % 16 == 0:
-                    launch((x.data_ptr(), a.data_ptr(), b.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
-                            ssm_state.data_ptr(), out.data_ptr()), ssm_state)
-                    return out
-            holder = {} if bound is not None else None
+            launch, key, holder = self._qla_bound("prefill", md, x, a, b, out, ssm_state)
+            if launch is not None:
+                launch((x.data_ptr(), a.data_ptr(), b.data_ptr(), self.A_log.data_ptr(), self.dt_bias.data_ptr(),
+                        ssm_state.data_ptr(), out.data_ptr()), ssm_state)
+                return out
             o = qla_serving.chunk_gated_delta_rule_pool_packed(
                 x, a, b, self.A_log, self.dt_bias, ssm_state, md.qla_prefill_state_indices,
                 num_qk_heads=self.num_k_heads // self.tp_size, has_initial_state=md.qla_prefill_has_initial_state,
                 scale=self.head_k_dim**-0.5, plan=md.qla_plan, out=out, bind=holder,
             )
             if holder:
-                bound[key] = holder["prefill"]
+                md.qla_bound[key] = holder["prefill"]
             return o
         q, k, v, g, beta, l2_in_kernel = self._qla_prefill_inputs(x, a, b)
         return qla_serving.chunk_gated_delta_rule_pool(
@@ -402,22 +396,15 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         copies); the op gets the ``[N, 1, ...]`` form it runs. With ``QLA_BOUND_LAUNCH`` a later
         layer of the step reruns the first one's bound launch on its own addresses."""
         N = x.shape[0]
-        bound = md.qla_bound if self.qla_bound_launch and md is not None else None
-        if bound is not None:
-            A_log, dt_bias = self.A_log, self.dt_bias
-            key = ("decode", x.shape, x.stride(), x.dtype, a.stride(), b.stride(), out.shape, out.stride(),
-                   ssm_state.shape, ssm_state.stride(), ssm_state.dtype, A_log.dtype, dt_bias.dtype,
-                   slots.data_ptr(), slots.shape)
-            launch = bound.get(key)
-            if launch is not None and x.data_ptr() % 16 == 0:
-                # q, k and v are column ranges of the conv output's rows
-                q = x.data_ptr()
-                k = q + (self.num_k_heads // self.tp_size) * self.head_k_dim * x.element_size()
-                v = 2 * k - q
-                launch((q, k, v, a.data_ptr(), b.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
-                        ssm_state.data_ptr(), out.data_ptr()))
-                return
-        holder = {} if bound is not None else None
+        launch, key, holder = self._qla_bound("decode", md, x, a, b, out, ssm_state, slots.data_ptr(), slots.shape)
+        if launch is not None:
+            # q, k and v are column ranges of the conv output's rows
+            q = x.data_ptr()
+            k = q + (self.num_k_heads // self.tp_size) * self.head_k_dim * x.element_size()
+            v = 2 * k - q
+            launch((q, k, v, a.data_ptr(), b.data_ptr(), self.A_log.data_ptr(), self.dt_bias.data_ptr(),
+                    ssm_state.data_ptr(), out.data_ptr()))
+            return
         q, k, v = self._qkv_views(x, N, 1)
         qla_serving.gated_delta_rule_decode(
             q, k, v, a.view(N, 1, -1), b.view(N, 1, -1), self.A_log, self.dt_bias,
@@ -425,7 +412,22 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             out=out.view(N, 1, *out.shape[1:]), min_slot=VLLM_NULL_BLOCK_ID + 1, bind=holder,
         )
         if holder:
-            bound[key] = holder["decode"]
+            md.qla_bound[key] = holder["decode"]
+
+    def _qla_bound(self, kind, md, x, a, b, out, ssm_state, *step_tensors):
+        """``(launch, key, holder)`` for a ``kind`` op call of this layer with ``QLA_BOUND_LAUNCH``:
+        the step's launch bound by an earlier layer of the same layout (shapes, strides and dtypes
+        of x, a, b, out and the pool, the parameters' dtypes, ``step_tensors``), or None; its key
+        in ``md.qla_bound``; and the dict the op binds into when there is none (None: not binding)."""
+        if not self.qla_bound_launch or md is None or out is None:
+            return None, None, None
+        key = (kind, x.shape, x.stride(), x.dtype, a.stride(), b.stride(), out.shape, out.stride(),
+               ssm_state.shape, ssm_state.stride(), ssm_state.dtype, self.A_log.dtype, self.dt_bias.dtype,
+               *step_tensors)
+        launch = md.qla_bound.get(key)
+        if launch is not None and x.data_ptr() % 16 == 0:  # (the op checks q's alignment; it is x's)
+            return launch, key, None
+        return None, key, {}
 
     def _qla_spec_decode(self, x, a, b, ssm_state, md):
         """Speculative verify: ``T = num_spec + 1`` tokens per row.
