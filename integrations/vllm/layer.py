@@ -140,8 +140,10 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 _announced = True
                 inputs = ("vLLM's conv output and gate inputs, in place" if self.qla_packed_prefill
                           else "vLLM's fused_post_conv_prep output")
+                launches = ("a step's later GDN layers rerun the first one's bound launches (QLA_BOUND_LAUNCH=1)"
+                            if self.qla_bound_launch else "every GDN layer calls the ops")
                 logger.info("qla-serving: GDN layers run on flashqla (prefill, decode, speculative verify); "
-                            "the prefill reads %s", inputs)
+                            "the prefill reads %s; %s", inputs, launches)
 
     @staticmethod
     def _qla_unsupported_reason(config, vllm_config) -> str | None:

@@ -317,3 +317,21 @@ def test_after_import_keeps_its_callbacks_through_an_import_that_fails(tmp_path,
     importlib.import_module(name)
     assert seen == [7]
     monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.parametrize("bound", ["0", "1"])
+def test_the_start_up_line_names_how_later_layers_launch(flashqla_config, distributed, monkeypatch, caplog, bound):
+    """The engine's log says whether a step's later GDN layers rerun the first one's bound
+    launches (QLA_BOUND_LAUNCH), so a server's log tells which path it ran."""
+    from qla_serving.integrations.vllm import layer as qla_layer
+
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    monkeypatch.setenv("QLA_BOUND_LAUNCH", bound)
+    monkeypatch.setattr(qla_layer, "_announced", False)
+    with caplog.at_level(logging.INFO, logger="vllm.qla_serving"):
+        built = build_gdn_layer(flashqla_config)
+    assert built.qla_active and built.qla_bound_launch == (bound == "1")
+    msgs = [r.getMessage() for r in caplog.records if "GDN layers run on flashqla" in r.getMessage()]
+    assert len(msgs) == 1
+    said = "rerun the first one's bound launches (QLA_BOUND_LAUNCH=1)" in msgs[0]
+    assert said == (bound == "1") and ("every GDN layer calls the ops" in msgs[0]) == (bound == "0")
