@@ -59,6 +59,10 @@ import time
 from . import serve
 from .agreement import agreeing_prefix
 
+#: read by the servers' dummy-weight hooks (qla_serving.bench.weights.WEIGHTS_ENV; the harness runs
+#: where only the engine imports qla_serving)
+WEIGHTS_ENV = "QLA_BENCH_WEIGHTS"
+
 SCENARIOS = ("bad", "abort", "load", "prefix")
 PHASES = ("all", "oracle", "stress", "spec")
 EARLY = 16  # a divergence within a request's first EARLY tokens counts as early
@@ -459,6 +463,8 @@ def run_key(args, plan: dict) -> str:
     """What the oracle's tokens and the saved rows are valid for: the plan and the servers."""
     what = {"plan": plan_key(plan), "engine": args.engine, "model": args.model, "layers": args.layers,
             "tp": args.tp, "server_args": args.server_arg}
+    if args.weights != "dummy":  # (keys of runs before the choice stay valid)
+        what["weights"] = args.weights
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -565,6 +571,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     """This call's phases for one backend; each server's rows are saved in ``work`` as they come.
     Returns the rows of servers that could not run (errors, or left out for the budget)."""
     env = serve.backend_env(backend, s.tp, s.engine)
+    env[WEIGHTS_ENV] = args.weights
     cmds = server_commands(s, backend, args, model_type)
     problems: list[dict] = []
     everything = [r for reqs in plan.values() for r in reqs if not r.get("abort")]
@@ -865,6 +872,10 @@ def parse_args(argv):
                    help=f"seconds for this call (0: none): no server starts with less than {SERVER_MIN_S:.0f} s "
                         "left, and the requests' timeouts end with it")
     p.add_argument("--server-arg", action="append", default=[])
+    p.add_argument("--weights", choices=("dummy", "random"), default="dummy",
+                   help="the servers' weights: the engine's dummy ones (GDN gates re-drawn), whose greedy tokens "
+                        "are one token repeated, or random ones whose every token depends on the GDN state "
+                        "(QLA_BENCH_WEIGHTS=random: qla_serving.bench.weights)")
     p.add_argument("--out-dir", default=str(serve.RESULTS_DIR))
     p.add_argument("--work-dir", default="")
     p.add_argument("--phase", choices=PHASES, default="all",
@@ -951,7 +962,7 @@ def main(argv=None) -> int:
         i["fallback"] = i["fallback"] or bool(p["info"].get("fallback"))
         i["server_commands"][p["part"]] = p["info"].get("command")
     meta = {"gpu": gpu, "engine": args.engine, "tp": args.tp, "versions": serve.versions(args.engine),
-            "model": f"{spec['name']}, {args.layers} layers, dummy weights, GDN gates re-drawn",
+            "model": f"{spec['name']}, {args.layers} layers, {args.weights} weights, GDN gates re-drawn",
             "command": shlex.join(["python", "-m", "e2e_bench.stress", *argv]),
             "calls": list(dict.fromkeys(p["info"].get("call") for p in parts if p["info"].get("call"))),
             "backends": infos, "max_model_len": max_len}

@@ -413,6 +413,33 @@ def test_a_run_split_by_phase_adds_up(tmp_path, monkeypatch):
     assert _StandInServer.starts[-1] == "server-default-oracle"
 
 
+def test_random_weights_reach_every_server_and_make_another_oracle(tmp_path, monkeypatch):
+    """--weights random: every server of the run gets QLA_BENCH_WEIGHTS=random (the engines' dummy
+    hooks read it), the results say so, and an oracle made on the dummy weights is not reused."""
+    envs = []
+
+    class Recording(_StandInServer):
+        def __init__(self, cmd, env, log_path, port):
+            super().__init__(cmd, env, log_path, port)
+            envs.append((self.log_path.stem, env.get(stress.WEIGHTS_ENV)))
+
+    monkeypatch.setattr(serve, "Server", Recording)
+    monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
+    monkeypatch.setattr(stress, "AFTER_ABORT_S", 0.05)
+    _StandInServer.starts, _StandInServer.fail, _StandInServer.broken = [], set(), set()
+    work, out = tmp_path / "work", tmp_path / "out"
+    common = ["--engine", "vllm", "--layers", "4", "--requests", "6", "--rate", "200", "--max-prompt", "300",
+              "--longest", "0", "--aborts", "1", "--suffixes", "2", "--flood", "1", "--max-tokens", "4",
+              "--backends", "default", "--port", str(_free_port()), "--work-dir", str(work), "--out-dir", str(out),
+              "--scenarios", "load"]
+    assert stress.main([*common, "--phase", "oracle"]) == 0
+    assert stress.main([*common, "--phase", "stress", "--weights", "random"]) == 0
+    assert envs == [("server-default-oracle", "dummy"), ("server-default-oracle", "random"),
+                    ("server-default-stress", "random")]  # a new oracle, on the random weights
+    (path,) = out.glob("*-stress-vllm-tp1.json")
+    assert "4 layers, random weights" in json.loads(path.read_text())["meta"]["model"]
+
+
 def test_budget_leaves_servers_out(tmp_path, monkeypatch):
     monkeypatch.setattr(serve, "Server", _StandInServer)
     monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")

@@ -4,7 +4,10 @@ vLLM's dummy loader gives every GDN head a decay of ~0.5 per token, so a state c
 across chunks, steps or the prefix cache would not change a single output token. This loader
 runs vLLM's dummy loader, then re-draws ``A_log`` and ``dt_bias`` of every GDN layer with
 :func:`qla_serving.bench.gates.init_gdn_gates` (decays from a few to about a thousand tokens),
-seeded by the module name, so every backend's server holds the same weights. The serving
+seeded by the module name, so every backend's server holds the same weights. With
+``QLA_BENCH_WEIGHTS=random`` it first re-draws every other weight as well
+(:func:`qla_serving.bench.weights.init_random_weights`: dummy weights' greedy tokens are one token
+repeated). The serving
 benchmark (``e2e_bench/serve.py``) starts ``vllm serve`` with it; registered by the plugin.
 """
 
@@ -23,6 +26,7 @@ def register_loader() -> None:
     from vllm.model_executor.model_loader import dummy_loader
 
     from qla_serving.bench.gates import init_gdn_gates
+    from qla_serving.bench.weights import WEIGHTS_ENV, init_random_weights, random_weights_requested
 
     if LOAD_FORMAT in model_loader._LOAD_FORMAT_TO_MODEL_LOADER:  # vLLM warns on a re-registration
         return
@@ -32,6 +36,10 @@ def register_loader() -> None:
 
         def load_weights(self, model, model_config) -> None:
             super().load_weights(model, model_config)
+            if random_weights_requested():
+                counts = init_random_weights(model)
+                logger.info("qla-serving: %s with %s=random: re-drew the weights (%s)", LOAD_FORMAT,
+                            WEIGHTS_ENV, ", ".join(f"{n} {kind}" for kind, n in counts.items()))
             layers = init_gdn_gates(model)
             logger.info("qla-serving: %s: re-drew the gates of %d GDN layers", LOAD_FORMAT, layers)
 

@@ -177,6 +177,22 @@ def test_dummy_weights_get_gates_that_remember(sglang_plugins, monkeypatch):
     a = model[0].A_log.exp()
     assert bool(((a >= GATE_A_RANGE[0]) & (a <= GATE_A_RANGE[1])).all())
     assert serve.backend_env("triton")["QLA_BENCH_GDN_GATES"] == "1"
+    # QLA_BENCH_WEIGHTS=random re-draws the other weights too, SGLang's own norms at their identity
+    from sglang.kernels.ops.attention.fla.layernorm_gated import RMSNorm as RMSNormGated
+    from sglang.srt.layers.layernorm import GemmaRMSNorm
+
+    from qla_serving.bench.weights import WEIGHTS_ENV
+
+    model = torch.nn.Sequential(Gdn(), torch.nn.Linear(256, 512, bias=False), GemmaRMSNorm(512), RMSNormGated(512))
+    for p in model.parameters():
+        torch.nn.init.uniform_(p, -1e-3, 1e-3)
+    gates = model[0].A_log.detach().clone()
+    monkeypatch.delenv(patch.BENCH_GATES_ENV)
+    monkeypatch.setenv(WEIGHTS_ENV, "random")
+    assert patch._dummy_load_after(model, None) is None
+    assert torch.equal(model[0].A_log, gates)  # the gates: QLA_BENCH_GDN_GATES's
+    assert 0.015 < model[1].weight.std().item() < 0.025
+    assert bool((model[2].weight == 0).all()) and bool((model[3].weight == 1).all())
 
 
 @pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-397b-a17b"])

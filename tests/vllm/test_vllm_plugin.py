@@ -335,3 +335,69 @@ def test_the_start_up_line_names_how_later_layers_launch(flashqla_config, distri
     assert len(msgs) == 1
     said = "rerun the first one's bound launches (QLA_BOUND_LAUNCH=1)" in msgs[0]
     assert said == (bound == "1") and ("every GDN layer calls the ops" in msgs[0]) == (bound == "0")
+
+
+def test_random_bench_weights_let_the_gdn_layer_reach_the_residual(flashqla_config, distributed):
+    """QLA_BENCH_WEIGHTS=random on vLLM's own GDN layer: with the engine's dummy weights the layer's
+    gated norm (weight ~1e-3) and output projection shrink its output to ~4e-6 of its input, so
+    the state it reads barely moves the residual; the random weights give the output the scale of
+    the input, every norm its identity, the conv a pass-through filter, and the gates are left to
+    init_gdn_gates."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.weight_utils import initialize_dummy_weights
+
+    from qla_serving.bench.weights import WEIGHT_STD, init_random_weights
+
+    torch.manual_seed(0)
+    T = 8
+    layer = build_gdn_layer(flashqla_config)
+    HV, V = layer.num_v_heads // layer.tp_size, layer.head_v_dim
+    core = torch.randn(T, HV, V).to(flashqla_config.model_config.dtype)
+    z = torch.randn(T, HV, V).to(flashqla_config.model_config.dtype)
+
+    initialize_dummy_weights(layer, flashqla_config.model_config)
+    a_log = layer.A_log.detach().clone()
+    def output():  # the layer's _output_projection: its gated norm, then out_proj's weight
+        normed = layer.norm(core.reshape(-1, V), z.reshape(-1, V)).reshape(T, HV * V)
+        return torch.nn.functional.linear(normed.float(), layer.out_proj.weight.float())
+
+    with set_current_vllm_config(flashqla_config):
+        dummy = output().pow(2).mean().sqrt().item()
+        counts = init_random_weights(layer)
+        out = output()
+    rms = out.pow(2).mean().sqrt().item()
+    assert dummy < 1e-3 and rms > 0.1, (dummy, rms)
+    assert torch.equal(layer.A_log, a_log)  # the gates are init_gdn_gates' to draw
+    assert bool((layer.norm.weight == 1).all())
+    conv = layer.conv1d.weight.float()
+    assert conv.shape[-1] < 64 and conv.abs().max() <= 1 / conv.shape[-1] ** 0.5 + 1e-3 and conv.std() > 0.2
+    assert abs(layer.out_proj.weight.float().std().item() - WEIGHT_STD) < 2e-3
+    assert counts["norm"] >= 1 and counts["filter"] == 1 and counts["matrix"] >= 3
+    # the same weights in a second layer of the same name and shapes: every backend's server alike
+    again = build_gdn_layer(flashqla_config)
+    init_random_weights(again)
+    for (n1, p1), (n2, p2) in zip(layer.named_parameters(), again.named_parameters()):
+        if n1 not in ("A_log", "dt_bias"):
+            assert torch.equal(p1, p2), n1
+
+
+def test_random_bench_weights_put_gemma_norms_at_zero(flashqla_config, distributed, monkeypatch):
+    """Zero-centred norms (vLLM's GemmaRMSNorm, x * (1 + w), Qwen3-Next's layer norms) get 0, the
+    identity; QLA_BENCH_WEIGHTS takes 'dummy' or 'random' and names anything else."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    from qla_serving.bench import weights
+
+    with set_current_vllm_config(flashqla_config):
+        norm = GemmaRMSNorm(64)
+    torch.nn.init.uniform_(norm.weight, -1e-3, 1e-3)
+    assert weights.init_random_weights(torch.nn.Sequential(norm)) == {"norm": 1, "bias": 0, "matrix": 0, "filter": 0}
+    assert bool((norm.weight == 0).all())
+    monkeypatch.delenv(weights.WEIGHTS_ENV, raising=False)
+    assert not weights.random_weights_requested()
+    monkeypatch.setenv(weights.WEIGHTS_ENV, "random")
+    assert weights.random_weights_requested()
+    monkeypatch.setenv(weights.WEIGHTS_ENV, "xavier")
+    with pytest.raises(ValueError, match="QLA_BENCH_WEIGHTS='xavier'"):
+        weights.random_weights_requested()
