@@ -31,3 +31,4 @@ for f in docker/Dockerfile.vllm docker/Dockerfile.sglang; do
 done
 # README: "vLLM 0.26-0.32" and "SGLang 0.5.17-0.5.23": the newest of each range resolves too
 check vllm "vllm==0.32.0"
+check sglang "sglang==0.5.23"
