@@ -58,6 +58,9 @@ WORKLOADS: dict[str, tuple[int, int]] = {
     "short": (1024, 128),
 }
 ENGINES = ("vllm", "sglang")
+#: read by the servers' dummy-weight hooks (qla_serving.bench.weights.WEIGHTS_ENV; the harness runs
+#: where only the engine imports qla_serving)
+WEIGHTS_ENV = "QLA_BENCH_WEIGHTS"
 # Our backends and what each sets in the server's environment (every one under QLA_STRICT=1):
 # flashqla-classic is flashqla with vLLM's own input preparation before the classic prefill
 # kernels (QLA_PREFILL_PACKED=0), for A/B runs against the default packed-inputs prefill;
@@ -643,6 +646,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
     logf = work / f"server-{backend}{sfx}.log"
     cmd = server_command(s, backend, args.server_arg + profiler_args(s, args, work / f"trace-{backend}{sfx}"))
     env = backend_env(backend, s.tp, s.engine)
+    env[WEIGHTS_ENV] = args.weights
     if args.profile and s.engine == "vllm":
         env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the model runner's host scopes in the trace
     log(f"start {s.engine} {backend} tp{s.tp}: {shlex.join(cmd)}")
@@ -1271,6 +1275,10 @@ def parse_args(argv):
     p.add_argument("--start-timeout", type=float, default=480)
     p.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: none); points past it are left out")
     p.add_argument("--server-arg", action="append", default=[], help="one more server argument (repeatable)")
+    p.add_argument("--weights", choices=("dummy", "random"), default="dummy",
+                   help="the servers' weights: the engine's dummy ones (GDN gates re-drawn; their greedy tokens are "
+                        "one token repeated, so agreement tells little) or random ones whose every token depends "
+                        "on the GDN state (QLA_BENCH_WEIGHTS=random: qla_serving.bench.weights)")
     add_allreduce_fusion_argument(p)
     p.add_argument("--profile", default="", metavar="WORKLOAD:CONC",
                    help="vLLM: run this point once more under the engine's torch profiler (a window of "
@@ -1336,7 +1344,7 @@ def main(argv=None) -> int:
     model_text = (f"{spec['name']} per-layer shapes ({spec['source']}), {args.layers} of {spec['num_hidden_layers']} "
                   f"layers ({gdn_layers} GDN), GDN heads {spec['linear_num_key_heads']}/{spec['linear_num_value_heads']} "
                   f"({spec['linear_num_key_heads'] // args.tp}/{spec['linear_num_value_heads'] // args.tp} per rank), "
-                  f"{spec['num_experts']} experts top-{spec['num_experts_per_tok']}, dummy weights with GDN gates "
+                  f"{spec['num_experts']} experts top-{spec['num_experts_per_tok']}, {args.weights} weights with GDN gates "
                   f"re-drawn, state dtype {spec.get('state_dtype') or 'engine default'}")
     log(f"CPUs: {cpu_set()}")
     if args.dry_run:
@@ -1357,6 +1365,8 @@ def main(argv=None) -> int:
     key = {"engine": args.engine, "model": args.model, "layers": args.layers, "tp": args.tp, "gpu": gpu,
            "workloads": args.workloads, "concurrency": args.concurrency, "server_args": args.server_arg,
            "repeats": args.repeats}
+    if args.weights != "dummy":  # (keys of runs before the choice stay valid)
+        key["weights"] = args.weights
     command = shlex.join(["python", "-m", "e2e_bench.serve", *argv])
     for backend in [] if args.collect else backends:
         resolved_default = (load_backend(work, "default", key) or {}).get("info", {}).get("resolved")

@@ -59,10 +59,6 @@ import time
 from . import serve
 from .agreement import agreeing_prefix
 
-#: read by the servers' dummy-weight hooks (qla_serving.bench.weights.WEIGHTS_ENV; the harness runs
-#: where only the engine imports qla_serving)
-WEIGHTS_ENV = "QLA_BENCH_WEIGHTS"
-
 SCENARIOS = ("bad", "abort", "load", "prefix")
 PHASES = ("all", "oracle", "stress", "spec")
 EARLY = 16  # a divergence within a request's first EARLY tokens counts as early
@@ -571,7 +567,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     """This call's phases for one backend; each server's rows are saved in ``work`` as they come.
     Returns the rows of servers that could not run (errors, or left out for the budget)."""
     env = serve.backend_env(backend, s.tp, s.engine)
-    env[WEIGHTS_ENV] = args.weights
+    env[serve.WEIGHTS_ENV] = args.weights
     cmds = server_commands(s, backend, args, model_type)
     problems: list[dict] = []
     everything = [r for reqs in plan.values() for r in reqs if not r.get("abort")]

@@ -491,6 +491,25 @@ def test_repeats_run_every_point_once_per_round_in_one_server(tmp_path, monkeypa
     assert len(medians) == 4 and medians[0]["total_tok_s"] == 40.0 and medians[0]["runs"] == 2  # calls 2 and 6
 
 
+def test_random_weights_reach_the_servers_and_make_another_setup(tmp_path, monkeypatch):
+    """--weights random: each server gets QLA_BENCH_WEIGHTS=random, the results say so, and a
+    work directory measured on the dummy weights has nothing to collect for it."""
+    calls, envs = [], []
+    _fake_engine(monkeypatch, calls)
+    fake = serve.Server
+    monkeypatch.setattr(serve, "Server", lambda cmd, env, log_path, port: envs.append(env.get(serve.WEIGHTS_ENV))
+                        or fake(cmd, env, log_path, port))
+    common = ["--engine", "vllm", "--model", "qwen3-next-80b-a3b", "--layers", "4", "--workloads", "short",
+              "--concurrency", "128", "--agree-prompts", "0", "--work-dir", str(tmp_path / "work"),
+              "--backends", "flashqla"]
+    assert serve.main([*common, "--out-dir", str(tmp_path / "dummy")]) == 0
+    assert serve.main([*common, "--collect", "--weights", "random", "--out-dir", str(tmp_path / "none")]) == 1
+    assert serve.main([*common, "--weights", "random", "--out-dir", str(tmp_path / "random")]) == 0
+    assert envs == ["dummy", "random"]
+    data = json.loads(next((tmp_path / "random").glob("*-serve-vllm-tp1.json")).read_text())
+    assert "random weights with GDN gates re-drawn" in data["meta"]["model"]
+
+
 def test_servers_run_side_by_side_are_collected_into_one_results_file(tmp_path, monkeypatch):
     calls = []
     _fake_engine(monkeypatch, calls)

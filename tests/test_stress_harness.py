@@ -421,7 +421,7 @@ def test_random_weights_reach_every_server_and_make_another_oracle(tmp_path, mon
     class Recording(_StandInServer):
         def __init__(self, cmd, env, log_path, port):
             super().__init__(cmd, env, log_path, port)
-            envs.append((self.log_path.stem, env.get(stress.WEIGHTS_ENV)))
+            envs.append((self.log_path.stem, env.get(serve.WEIGHTS_ENV)))
 
     monkeypatch.setattr(serve, "Server", Recording)
     monkeypatch.setattr(serve, "gpu_name", lambda: "Stand-in GPU")
