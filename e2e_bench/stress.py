@@ -367,18 +367,22 @@ def parse_metrics(text: str, engine: str = "vllm") -> dict[str, float]:
 
 def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> dict:
     """Agreement of ``got`` with ``oracle`` over the request ids both completed."""
-    before, early, compared = [], 0, 0
+    before, early, compared, distinct = [], 0, 0, []
     for rid_ in ids_:
         o, g = (oracle.get(rid_) or {}).get("tokens"), (got.get(rid_) or {}).get("tokens")
         if not o or g is None or (got.get(rid_) or {}).get("finish") == "abort":
             continue
         compared += 1
+        distinct.append(len(set(o)))
         n = agreeing_prefix(o, g)
         before.append(n)
         if n < min(EARLY, len(o)):
             early += 1
+    # an oracle answer of one token repeated agrees with almost any state: the median says how
+    # much the compared tokens could tell
     return {"compared": compared, "mean_tokens_before_divergence": (sum(before) / len(before)) if before else None,
-            "diverged_within_16": early}
+            "diverged_within_16": early,
+            "oracle_distinct_tokens": sorted(distinct)[len(distinct) // 2] if distinct else None}
 
 
 def summarize(engine: str, plan: dict, oracle: dict, got: dict, scenario: str) -> dict:
@@ -816,28 +820,32 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines += [f"| {b} | {i.get('resolved')} | {i.get('fallback')} |" for b, i in meta["backends"].items()]
         lines.append("")
     lines += [("| backend | scenario | sent | completed | aborted | failed 4xx | failed other | crashed | compared | "
-               "mean tokens before divergence | diverged within 16 | preemptions | prefix hits | drafts accepted |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+               "mean tokens before divergence | diverged within 16 | preemptions | prefix hits | drafts accepted | "
+               "oracle's distinct tokens |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         # a stress-server row's own counts; a speculative server's (and earlier runs') the server's
         m = r.get("scenario_metrics") or r.get("server_metrics") or {}
         if r["scenario"] == "bad":
             lines.append(f"| {r['backend']} | bad | {r['sent']} | {r['no_5xx']} without 5xx | | | | {r['crashed']} | "
-                         f"served after each: {r['served_after']} | | | | | |")
+                         f"served after each: {r['served_after']} | | | | | | |")
             continue
         if r.get("error"):
-            lines.append(f"| {r['backend']} | {r['scenario']} | failed: {r['error']} | | | | | | | | | | | |")
+            lines.append(f"| {r['backend']} | {r['scenario']} | failed: {r['error']} | | | | | | | | | | | | |")
             continue
         mean = r.get("mean_tokens_before_divergence")
         lines.append(f"| {r['backend']} | {r['scenario']} | {r['sent']} | {r['completed']} | {r['aborted']} | "
                      f"{r['failed_clean']} | {r['failed_other']} | {r['crashed']} | {r['compared']} | "
                      f"{'—' if mean is None else f'{mean:.1f}'} | {r['diverged_within_16']} | "
                      f"{m.get('preemptions', '—')} | {m.get('prefix_cache_hits', '—')} | "
-                     f"{drafts_accepted(m) if r['scenario'].startswith('spec') else ''} |")
+                     f"{drafts_accepted(m) if r['scenario'].startswith('spec') else ''} | "
+                     f"{r.get('oracle_distinct_tokens') if r.get('oracle_distinct_tokens') is not None else '—'} |")
     lines += ["", ("Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"
                "eviction with its flood of unrelated prompts), a speculative server's in all; rows without "
                "`scenario_metrics` in the JSON show the server's totals. Drafts accepted: vLLM's accepted of "
-               "drafted tokens, SGLang's mean accepted length per verify step (its gauge at the end).")]
+               "drafted tokens, SGLang's mean accepted length per verify step (its gauge at the end). Oracle's "
+               "distinct tokens: the median count of different tokens in the oracle's answers compared (1: each "
+               "answer one token repeated, which agreement can hardly tell from a wrong state; --weights random).")]
     return "\n".join(lines) + "\n"
 
 

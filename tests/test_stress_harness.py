@@ -118,7 +118,13 @@ def test_compare_counts_early_divergence():
     got = {"a": {"tokens": list(range(32))}, "b": {"tokens": [0, 1, 2, 99] + list(range(4, 32))},
            "c": {"tokens": None}}
     r = stress.compare(oracle, got, ["a", "b", "c", "missing"])
-    assert r == {"compared": 2, "mean_tokens_before_divergence": (32 + 3) / 2, "diverged_within_16": 1}
+    assert r == {"compared": 2, "mean_tokens_before_divergence": (32 + 3) / 2, "diverged_within_16": 1,
+                 "oracle_distinct_tokens": 32}
+    # answers of one token repeated (the dummy weights' kind) say so: the median over those compared
+    flat = {k: {"tokens": [k * 10] * 32} for k in (1, 2, 3)}
+    assert stress.compare(flat, {**flat, 3: {"tokens": [30] * 31 + [5]}}, [1, 2, 3])["oracle_distinct_tokens"] == 1
+    mixed = {1: {"tokens": [1] * 32}, 2: {"tokens": list(range(32))}, 3: {"tokens": [7, 8] * 16}}
+    assert stress.compare(mixed, mixed, [1, 2, 3])["oracle_distinct_tokens"] == 2
 
 
 def _tokens(prompt, n):
