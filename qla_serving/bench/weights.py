@@ -4,8 +4,8 @@ compares with ``QLA_BENCH_WEIGHTS=random``.
 The engines' dummy loaders fill every parameter with U(-1e-3, 1e-3). Pre-norm layers whose
 weights are that small add almost nothing to the residual, and the GDN layers' gated RMSNorm
 (output = norm(o) * weight) scales their output by ~1e-3 on top: the served model's greedy tokens
-are one token repeated (every request of the stress and serving runs of record), fixed by the
-prompt, so a GDN state carried wrongly from step to step could go unseen. This re-draws the weights
+are one token repeated, fixed by the prompt (docs/e2e.md, "What agreement on dummy weights
+shows"), so a GDN state carried wrongly from step to step could go unseen. This re-draws the weights
 the way a freshly initialised transformer has them (Hugging Face's ``initializer_range`` 0.02),
 with norms at their identity value, so every layer, the GDN layers included, moves the residual and
 each step's token depends on the state it reads.
@@ -68,7 +68,8 @@ def init_random_weights(model) -> dict:
     seen = set()  # a parameter shared by two modules (SGLang hands A_log to an inner module) once
     for module_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            if id(p) in seen or not torch.is_floating_point(p) or pname in ("A_log", "dt_bias"):
+            if (id(p) in seen or not torch.is_floating_point(p) or p.device.type == "meta"
+                    or pname in ("A_log", "dt_bias")):
                 continue
             seen.add(id(p))
             name = f"{module_name}.{pname}" if module_name else pname
