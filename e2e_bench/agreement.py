@@ -48,3 +48,10 @@ def agree_fraction(ref: list[list[int]], out: list[list[int]]) -> float | None:
         return None
     total = sum(len(r) for r in ref)
     return sum(agreeing_prefix(r, o) for r, o in zip(ref, out)) / total if total else None
+
+
+def distinct_tokens(answers: list[list[int]]) -> int | None:
+    """The median count of different tokens in one answer of ``answers``: 1 when each answer is one
+    token repeated (the engines' dummy weights), which agreement can hardly tell from a wrong state."""
+    counts = sorted(len(set(a)) for a in answers if a)
+    return counts[len(counts) // 2] if counts else None

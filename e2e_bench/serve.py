@@ -42,7 +42,7 @@ import time
 import urllib.error
 import urllib.request
 
-from .agreement import agree_fraction
+from .agreement import agree_fraction, distinct_tokens
 from .gpu_clocks import ClockSampler
 from .host_load import HostSampler
 
@@ -955,7 +955,11 @@ def markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> st
             lines.append(f"| {b['backend']} | {b.get('resolved')} | {b.get('startup_s')} | {b.get('fallback')} | "
                          f"{b.get('agree_fraction')} | {cap} |"
                          + (f" {b.get('sample', 1)} | {b.get('visible_gpus', 'all')} |" if pinned else ""))
-        lines += ["", f"Reference for agreement: {meta.get('reference')}; {meta.get('agreement')}.", ""]
+        distinct = meta.get("reference_distinct_tokens")
+        lines += ["", f"Reference for agreement: {meta.get('reference')}; {meta.get('agreement')}"
+                  + (f"; the reference's answers hold {distinct} distinct token(s) each (median)"
+                     + (": one token repeated, so agreement says little about the state (--weights random)"
+                        if distinct == 1 else "") if distinct is not None else "") + ".", ""]
     variants = [(o, None) for o in OURS] + [(o, "flashqla") for o in OURS if o != "flashqla"]
     for ours, versus in variants:
         ratios = against_best(rows, ours, versus)
@@ -1407,6 +1411,8 @@ def main(argv=None) -> int:
         "backends": [{k: v for k, v in i.items() if k not in ("tokens", "command", "call")} for i in infos],
         "reference": reference or f"{args.reference} (not run: no agreement)", "agreement": f"{args.agree_prompts} prompts of 200-4000 tokens x "
                                                    f"{args.agree_tokens} greedy tokens, one request at a time",
+        "reference_distinct_tokens": distinct_tokens(next((i["tokens"] for i in infos if i["backend"] == reference
+                                                           and i.get("tokens")), [])),
         "prompts": f"max({args.min_prompts}, {args.prompts_per_concurrency} x concurrency) per point, "
                    f"{args.warmups} warm-up requests (at most the concurrency)",
         "repeats": args.repeats, "profile": args.profile or None,

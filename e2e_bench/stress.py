@@ -57,7 +57,7 @@ import sys
 import time
 
 from . import serve
-from .agreement import agreeing_prefix
+from .agreement import agreeing_prefix, distinct_tokens
 
 SCENARIOS = ("bad", "abort", "load", "prefix")
 PHASES = ("all", "oracle", "stress", "spec")
@@ -367,22 +367,19 @@ def parse_metrics(text: str, engine: str = "vllm") -> dict[str, float]:
 
 def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> dict:
     """Agreement of ``got`` with ``oracle`` over the request ids both completed."""
-    before, early, compared, distinct = [], 0, 0, []
+    before, early, compared, answers = [], 0, 0, []
     for rid_ in ids_:
         o, g = (oracle.get(rid_) or {}).get("tokens"), (got.get(rid_) or {}).get("tokens")
         if not o or g is None or (got.get(rid_) or {}).get("finish") == "abort":
             continue
         compared += 1
-        distinct.append(len(set(o)))
+        answers.append(o)
         n = agreeing_prefix(o, g)
         before.append(n)
         if n < min(EARLY, len(o)):
             early += 1
-    # an oracle answer of one token repeated agrees with almost any state: the median says how
-    # much the compared tokens could tell
     return {"compared": compared, "mean_tokens_before_divergence": (sum(before) / len(before)) if before else None,
-            "diverged_within_16": early,
-            "oracle_distinct_tokens": sorted(distinct)[len(distinct) // 2] if distinct else None}
+            "diverged_within_16": early, "oracle_distinct_tokens": distinct_tokens(answers)}
 
 
 def summarize(engine: str, plan: dict, oracle: dict, got: dict, scenario: str) -> dict:

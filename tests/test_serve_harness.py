@@ -532,6 +532,9 @@ def test_servers_run_side_by_side_are_collected_into_one_results_file(tmp_path, 
     assert ours["runs"] == 2 and ours["agree_fraction"] == 1.0
     md = next((tmp_path / "out").glob("*-serve-vllm-tp1.md")).read_text()
     assert "| sample | GPUs |" in md and "| 2 | 3 |" in md
+    # the stand-in's answers are one token repeated, and the results say what that agreement is worth
+    assert data["meta"]["reference_distinct_tokens"] == 1
+    assert "hold 1 distinct token(s) each (median): one token repeated, so agreement says little" in md
     # another setup's work directory holds nothing to collect: an error, not an empty file
     assert serve.main([*common[:-1], str(tmp_path / "empty"), "--collect", "--out-dir", str(tmp_path / "o2")]) == 1
 
