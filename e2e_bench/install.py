@@ -28,6 +28,7 @@ import re
 import shutil
 import sys
 import time
+from collections import Counter
 
 from . import serve
 
@@ -85,6 +86,22 @@ def timed_request(s: serve.Setup, prompt: list[int], max_tokens: int) -> tuple[f
     return time.perf_counter() - t0, out[0]
 
 
+def triton_kernels(root: pathlib.Path | None = None) -> Counter:
+    """Kernels in Triton's compile cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``), by name:
+    each compiled kernel leaves ``<hash>/<name>.json`` there (``__grp__<name>.json`` indexes a
+    group). What a request adds to it is what that request compiled."""
+    if root is None:
+        root = pathlib.Path(os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache"))
+    if not root.is_dir():
+        return Counter()
+    return Counter(f.stem for f in root.glob("*/*.json") if not f.name.startswith("__grp__"))
+
+
+def compiled_between(before: Counter, after: Counter) -> dict[str, int]:
+    """The kernels ``after`` holds beyond ``before``: name -> how many new compilations."""
+    return {name: n for name, n in sorted((after - before).items())}
+
+
 def run_one(s: serve.Setup, backend: str, run: str, work: pathlib.Path, prompt: list[int], max_tokens: int,
             timeout: float) -> dict:
     tilelang_cache = work / "tilelang-cache"
@@ -104,10 +121,16 @@ def run_one(s: serve.Setup, backend: str, run: str, work: pathlib.Path, prompt: 
             row["error"] = serve.start_failure(log_path)
             serve.log(f"FAILED start {backend} ({run}: {row['error']}); log tail:\n{serve.tail(log_path)}")
             return row
+        # what each request compiles (the cache grows while a kernel is built: an engine's own Triton
+        # JIT in the first request is the usual gap between a cold and a warm first request)
+        started = triton_kernels()
         first_s, first = timed_request(s, prompt, max_tokens)
+        after_first = triton_kernels()
         second_s, second = timed_request(s, prompt, max_tokens)
         row.update(first_request_s=round(first_s, 3), warm_request_s=round(second_s, 3),
-                   first_over_warm=round(first_s / second_s, 3), same_tokens=first == second)
+                   first_over_warm=round(first_s / second_s, 3), same_tokens=first == second,
+                   first_request_triton_compiles=compiled_between(started, after_first),
+                   warm_request_triton_compiles=compiled_between(after_first, triton_kernels()))
         text = server.log_text()
         row.update(count_compiles(text))
         if backend == "default":
@@ -186,6 +209,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{r.get('first_request_s', r.get('error'))} | {r.get('warm_request_s')} | "
                      f"{r.get('first_over_warm')} | {r.get('library_kernels')} | "
                      f"{r.get('qla_tilelang_compiles')} | {r.get('tilelang_compile_lines')} |")
+    jit = [(r, r["first_request_triton_compiles"]) for r in rows if r.get("first_request_triton_compiles")]
+    if jit:
+        lines += ["", "Triton kernels compiled during the first request (Triton's cache before and after it; "
+                      "name x compilations):", ""]
+        lines += [f"- {r.get('engine', next(iter(engines)))} {r['backend']} ({r['run']}): "
+                  + ", ".join(f"{k} x{n}" for k, n in compiled.items()) for r, compiled in jit]
     return "\n".join(lines) + "\n"
 
 

@@ -71,3 +71,28 @@ def test_the_results_file_of_record_reads_back():
     vllm_rows = [r for r in record["rows"] if r["engine"] == "vllm"]
     assert rows == vllm_rows and set(meta["engines"]) == {"vllm", "sglang"}
     assert install.markdown(meta, rows).count("| vllm |") == len(rows)
+
+
+def test_the_kernels_a_request_compiles_come_from_tritons_cache(tmp_path, monkeypatch):
+    """Triton leaves <hash>/<name>.json per compiled kernel (and __grp__<name>.json beside it): the
+    first request's compilations are what its run adds to the cache, named in the results."""
+    def compiled(name, key):
+        d = tmp_path / "cache" / key
+        d.mkdir(parents=True)
+        (d / f"{name}.json").write_text("{}")
+        (d / f"__grp__{name}.json").write_text("{}")
+        (d / f"{name}.cubin").write_bytes(b"")
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    assert install.triton_kernels() == {}  # no cache yet
+    compiled("_causal_conv1d_fwd_kernel", "a1")
+    before = install.triton_kernels()
+    compiled("_causal_conv1d_fwd_kernel", "b2")  # another specialisation of the same kernel
+    compiled("fused_moe_kernel", "c3")
+    after = install.triton_kernels()
+    assert install.compiled_between(before, after) == {"_causal_conv1d_fwd_kernel": 1, "fused_moe_kernel": 1}
+    assert install.compiled_between(after, after) == {}
+    row = {"engine": "vllm", "backend": "default", "run": "cold", "first_request_s": 0.4, "warm_request_s": 0.08,
+           "first_request_triton_compiles": install.compiled_between(before, after)}
+    text = install.markdown(_meta("vllm", {"vllm": "0.26.0"}), [row])
+    assert "- vllm default (cold): _causal_conv1d_fwd_kernel x1, fused_moe_kernel x1" in text
