@@ -537,6 +537,22 @@ def test_runs_side_by_side_share_the_oracle_and_are_collected(tmp_path, monkeypa
     assert row["scenario"] == "spec-1" and row["error"].startswith("no oracle tokens") and row["compared"] == 0
 
 
+def test_a_part_waiting_for_its_oracle_fails_only_the_record(tmp_path, monkeypatch):
+    """A spec part saved before its oracle came (its run beside this one compares it later) does
+    not fail a run that collects it meanwhile; --collect, the record, fails on it."""
+    work = tmp_path / "work"
+    common = _stand_in_runs(monkeypatch, work, requests=8, max_prompt=300)
+    assert stress.main([*common, "--phase", "stress", "--port", str(_free_port()), "--out-dir", str(tmp_path / "a")]) == 0
+    key = json.loads((work / "rows-flashqla-stress.json").read_text())["key"]
+    waiting = {"backend": "flashqla", "scenario": "spec-2", "sent": 4, "completed": 4, "aborted": 0, "failed_clean": 0,
+               "failed_other": 0, "crashed": False, "compared": 0, "pending": "waiting for the oracle's tokens"}
+    stress.save_part(work, key, "flashqla", "spec2", [waiting], {})
+    assert stress.main([*common, "--phase", "stress", "--port", str(_free_port()), "--out-dir", str(tmp_path / "b")]) == 0
+    (md,) = (tmp_path / "b").glob("*.md")
+    assert "| flashqla | spec-2 | pending: waiting for the oracle's tokens |" in md.read_text()
+    assert stress.main([*common, "--collect", "--out-dir", str(tmp_path / "c")]) == 1
+
+
 def test_a_bad_request_answered_with_a_5xx_fails_the_run():
     ok = {"backend": "flashqla", "scenario": "bad", "sent": 6, "no_5xx": 6, "served_after": 6, "crashed": False}
     assert not stress.row_failed(ok)
