@@ -570,6 +570,13 @@ def add_allreduce_fusion_argument(p: argparse.ArgumentParser) -> None:
                    help="vLLM at TP > 1: its all-reduce + RMSNorm fusion on FlashInfer's trtllm backend, or off")
 
 
+def add_weights_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=("dummy", "random"), default="dummy",
+                   help="the servers' weights: the engine's dummy ones (GDN gates re-drawn; their greedy tokens are "
+                        "one token repeated, so agreement tells little) or random ones whose every token depends "
+                        f"on the GDN state ({WEIGHTS_ENV}=random: qla_serving.bench.weights)")
+
+
 def allreduce_fusion_args(engine: str, tp: int, mode: str) -> list[str]:
     """Server arguments for ``--allreduce-fusion mode`` (none where the pass does not run)."""
     if engine != "vllm" or tp == 1 or mode == "trtllm":
@@ -1279,10 +1286,7 @@ def parse_args(argv):
     p.add_argument("--start-timeout", type=float, default=480)
     p.add_argument("--budget", type=float, default=0, help="seconds for the whole run (0: none); points past it are left out")
     p.add_argument("--server-arg", action="append", default=[], help="one more server argument (repeatable)")
-    p.add_argument("--weights", choices=("dummy", "random"), default="dummy",
-                   help="the servers' weights: the engine's dummy ones (GDN gates re-drawn; their greedy tokens are "
-                        "one token repeated, so agreement tells little) or random ones whose every token depends "
-                        "on the GDN state (QLA_BENCH_WEIGHTS=random: qla_serving.bench.weights)")
+    add_weights_argument(p)
     add_allreduce_fusion_argument(p)
     p.add_argument("--profile", default="", metavar="WORKLOAD:CONC",
                    help="vLLM: run this point once more under the engine's torch profiler (a window of "

@@ -878,10 +878,7 @@ def parse_args(argv):
                    help=f"seconds for this call (0: none): no server starts with less than {SERVER_MIN_S:.0f} s "
                         "left, and the requests' timeouts end with it")
     p.add_argument("--server-arg", action="append", default=[])
-    p.add_argument("--weights", choices=("dummy", "random"), default="dummy",
-                   help="the servers' weights: the engine's dummy ones (GDN gates re-drawn), whose greedy tokens "
-                        "are one token repeated, or random ones whose every token depends on the GDN state "
-                        "(QLA_BENCH_WEIGHTS=random: qla_serving.bench.weights)")
+    serve.add_weights_argument(p)
     p.add_argument("--out-dir", default=str(serve.RESULTS_DIR))
     p.add_argument("--work-dir", default="")
     p.add_argument("--phase", choices=PHASES, default="all",

@@ -40,8 +40,8 @@ def bound_launches() -> bool:
     """Whether the vLLM adapter, with ``QLA_BOUND_LAUNCH=1``, runs a step's later GDN layers on
     the launches its first layer bound (the ops' ``bind``: the same kernels and step constants,
     each layer's own tensor addresses, its layout checked equal) instead of calling the ops,
-    their checks and the kernel entries again per layer. Off by default until the GPU suite has
-    run it."""
+    their checks and the kernel entries again per layer. Off by default: exact on the GPU, but
+    no faster served (docs/e2e.md, "The bound launches, served")."""
     return os.environ.get("QLA_BOUND_LAUNCH", "0").strip().lower() in ("1", "true", "yes", "on")
 
 

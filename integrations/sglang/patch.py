@@ -204,12 +204,10 @@ def our_kernel(dispatcher):
 def _dummy_load_after(result, *args, **kwargs):
     """After SGLang's dummy loader: random weights (``QLA_BENCH_WEIGHTS=random``) and GDN gates
     that remember, when the benchmark asks for them."""
-    from qla_serving.bench.weights import WEIGHTS_ENV, init_random_weights, random_weights_requested
+    from qla_serving.bench.weights import init_requested_weights
 
-    if result is not None and random_weights_requested():
-        counts = init_random_weights(result)
-        logger.info("qla-serving: %s=random: re-drew the weights (%s)", WEIGHTS_ENV,
-                    ", ".join(f"{n} {kind}" for kind, n in counts.items()))
+    if result is not None and (drawn := init_requested_weights(result)):
+        logger.info("qla-serving: %s", drawn)
     if os.environ.get(BENCH_GATES_ENV) == "1" and result is not None:
         from qla_serving.bench.gates import init_gdn_gates
 

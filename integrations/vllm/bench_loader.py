@@ -26,7 +26,7 @@ def register_loader() -> None:
     from vllm.model_executor.model_loader import dummy_loader
 
     from qla_serving.bench.gates import init_gdn_gates
-    from qla_serving.bench.weights import WEIGHTS_ENV, init_random_weights, random_weights_requested
+    from qla_serving.bench.weights import init_requested_weights
 
     if LOAD_FORMAT in model_loader._LOAD_FORMAT_TO_MODEL_LOADER:  # vLLM warns on a re-registration
         return
@@ -36,10 +36,8 @@ def register_loader() -> None:
 
         def load_weights(self, model, model_config) -> None:
             super().load_weights(model, model_config)
-            if random_weights_requested():
-                counts = init_random_weights(model)
-                logger.info("qla-serving: %s with %s=random: re-drew the weights (%s)", LOAD_FORMAT,
-                            WEIGHTS_ENV, ", ".join(f"{n} {kind}" for kind, n in counts.items()))
+            if drawn := init_requested_weights(model):
+                logger.info("qla-serving: %s with %s", LOAD_FORMAT, drawn)
             layers = init_gdn_gates(model)
             logger.info("qla-serving: %s: re-drew the gates of %d GDN layers", LOAD_FORMAT, layers)
 

@@ -95,3 +95,13 @@ def init_random_weights(model) -> dict:
                         values = torch.randn(part.shape, generator=gen, device=p.device) * WEIGHT_STD
                     part.copy_(values)
     return counts
+
+
+def init_requested_weights(model) -> str | None:
+    """What the engines' dummy-weight hooks run: with ``QLA_BENCH_WEIGHTS=random``,
+    :func:`init_random_weights` on ``model`` and a line for the engine's log saying what it drew;
+    None (nothing done) otherwise."""
+    if not random_weights_requested():
+        return None
+    counts = init_random_weights(model)
+    return f"{WEIGHTS_ENV}=random: re-drew the weights (" + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + ")"

@@ -396,8 +396,11 @@ def test_random_bench_weights_put_gemma_norms_at_zero(flashqla_config, distribut
     assert bool((norm.weight == 0).all())
     monkeypatch.delenv(weights.WEIGHTS_ENV, raising=False)
     assert not weights.random_weights_requested()
+    assert weights.init_requested_weights(torch.nn.Sequential(norm)) is None  # the engine's weights kept
     monkeypatch.setenv(weights.WEIGHTS_ENV, "random")
     assert weights.random_weights_requested()
+    assert weights.init_requested_weights(torch.nn.Sequential(norm)) == (
+        "QLA_BENCH_WEIGHTS=random: re-drew the weights (1 norm, 0 bias, 0 matrix, 0 filter)")
     monkeypatch.setenv(weights.WEIGHTS_ENV, "xavier")
     with pytest.raises(ValueError, match="QLA_BENCH_WEIGHTS='xavier'"):
         weights.random_weights_requested()
