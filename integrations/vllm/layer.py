@@ -123,6 +123,8 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             _building_active_layer.reset(token)
         self.qla_requested = requested
         self.qla_active = active
+        spec = vllm_config.speculative_config
+        self.qla_num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
         # decided once, as the warm-up's kernel set was (QLA_PREFILL_PACKED)
         self.qla_packed_prefill = backend.packed_prefill()
         self.qla_bound_launch = backend.bound_launches()
@@ -207,6 +209,8 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             )
         conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
         ssm_state = self.kv_cache[1]
+        if getattr(md, "qla_resume_src", None) is not None:
+            self._qla_resume(conv_state, ssm_state, md)
         n = md.num_actual_tokens
         if mixed_qkv.shape[0] != n:  # the batch is padded (CUDA graphs): only the step's tokens
             mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
@@ -268,6 +272,18 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 if o_ns is not None:
                     core_attn_out.index_copy_(0, md.non_spec_token_indx, o_ns)
 
+    def _qla_resume(self, conv_state, ssm_state, md) -> None:
+        """Rows without drafts after a step that accepted some (speculative servers): each one's
+        state, at block-table column ``num_accepted - 1``, and its conv window, at the same
+        column offset, move to column 0 and offset 0, where this step's prefill and decode read.
+        A row that accepted one token copies onto itself."""
+        src, dst = md.qla_resume_src, md.qla_resume_dst
+        ssm_state.index_copy_(0, dst, ssm_state.index_select(0, src))
+        rows = conv_state.index_select(0, dst)  # [R, dim, W - 1 + num_spec]
+        cols = md.qla_resume_conv_cols
+        rows[:, :, : cols.shape[-1]] = rows.gather(2, cols.expand(-1, rows.shape[1], -1))
+        conv_state.index_copy_(0, dst, rows)
+
     # ------------------------------------------------------------- convolution
 
     def _conv_weights(self) -> torch.Tensor:
@@ -292,8 +308,6 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 causal_conv1d_fn_cpu as causal_conv1d_torch,
             )
 
-        if md.spec_sequence_masks is not None:
-            raise NotImplementedError("qla-serving's CPU path does not run speculative decoding")
         return causal_conv1d_torch(
             x.transpose(0, 1), self._conv_weights(), self.conv1d.bias, conv_states=conv_state,
             query_start_loc=md.non_spec_query_start_loc, cache_indices=md.non_spec_state_indices_tensor,
@@ -303,6 +317,12 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def _qla_conv_decode(self, x, conv_state, md):
         """One-token conv update of every decode row."""
         idx = md.non_spec_state_indices_tensor[: md.num_actual_tokens]
+        if getattr(md, "qla_decode_accepted", None) is not None:
+            # a speculative server: the conv state has room for drafts, and its window starts at
+            # the accepted offset (0 here), which only vLLM's speculative update keeps
+            N = idx.shape[0]
+            return self._qla_conv_update_spec(x[:N], conv_state, idx, md.qla_decode_accepted[:N],
+                                              md.qla_decode_query_start_loc[: N + 1])
         if x.is_cuda:
             from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 
@@ -318,16 +338,25 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         return y.to(x.dtype)  # vLLM's PyTorch update returns the conv's compute dtype
 
     def _qla_conv_spec(self, x, conv_state, md):
-        if not x.is_cuda:
-            raise NotImplementedError("qla-serving's CPU path does not run speculative decoding")
-        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
-
         idx = md.spec_state_indices_tensor
-        return causal_conv1d_update(
-            x, conv_state, self._conv_weights(), self.conv1d.bias, self.activation,
-            conv_state_indices=idx[:, 0][: md.num_spec_decodes], num_accepted_tokens=md.num_accepted_tokens,
-            query_start_loc=md.spec_query_start_loc, max_query_len=idx.size(-1), validate_data=False,
-        )
+        return self._qla_conv_update_spec(x, conv_state, idx[:, 0][: md.num_spec_decodes], md.num_accepted_tokens,
+                                          md.spec_query_start_loc)
+
+    def _qla_conv_update_spec(self, x, conv_state, slots, accepted, query_start_loc):
+        """vLLM's speculative conv update: row ``i`` (tokens ``query_start_loc[i]..[i+1]`` of ``x``)
+        reads its window at offset ``accepted[i] - 1`` of slot ``slots[i]``'s conv state, which
+        then holds that window's last ``W - 2`` columns followed by the row's tokens."""
+        num_spec = self.qla_num_spec
+        if x.is_cuda:
+            from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+
+            return causal_conv1d_update(
+                x, conv_state, self._conv_weights(), self.conv1d.bias, self.activation,
+                conv_state_indices=slots, num_accepted_tokens=accepted, query_start_loc=query_start_loc,
+                max_query_len=num_spec + 1, validate_data=False,
+            )
+        return conv_update_spec_torch(x, conv_state, self._conv_weights(), self.conv1d.bias, self.activation,
+                                      slots, accepted, query_start_loc)
 
     # --------------------------------------------------------------- recurrence
 
@@ -440,14 +469,22 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         which is then copied to its column's slot.
         """
         slots = md.spec_state_indices_tensor
-        rows, T = slots.shape[0], slots.shape[1]
-        if getattr(md, "qla_spec_uniform", True) is False or x.shape[0] < rows * T:
-            raise NotImplementedError(
-                f"qla-serving: speculative rows of unequal length ({x.shape[0]} tokens over {rows} rows of "
-                f"up to {T}); the plugin runs uniform draft lengths (EAGLE/MTP)"
-            )
-        # Tokens past rows * T are CUDA-graph padding of the batch.
-        x, a, b = x[: rows * T], a[: rows * T], b[: rows * T]
+        T = slots.shape[1]
+        gather = getattr(md, "qla_spec_gather", None)
+        if gather is None:
+            rows = slots.shape[0]
+            if x.shape[0] < rows * T:
+                raise RuntimeError(f"qla-serving: {x.shape[0]} speculative tokens for {rows} rows of {T}, and no "
+                                   "padding of unequal rows in the metadata")
+            # Tokens past rows * T are CUDA-graph padding of the batch.
+            x, a, b = x[: rows * T], a[: rows * T], b[: rows * T]
+            write = slots.reshape(-1).long()
+        else:
+            # drafts of unequal length: each row padded to T positions (the builder's map)
+            rows = md.num_spec_decodes
+            slots = slots[:rows]
+            x, a, b = x.index_select(0, gather), a.index_select(0, gather), b.index_select(0, gather)
+            write = md.qla_spec_write
         q, k, v = self._qkv_views(x, rows, T)
         K, HV, V = q.shape[3], v.shape[2], v.shape[3]
         read_col = (md.num_accepted_tokens[:rows].long() - 1).clamp(min=0)
@@ -458,9 +495,34 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             ssm_state, read, scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True,
             intermediate_states=states, inplace_final_state=False, min_slot=VLLM_NULL_BLOCK_ID + 1,
         )
-        # Padded rows carry NULL_BLOCK_ID slots: their (unwritten) states land in vLLM's null block.
-        ssm_state.index_copy_(0, slots.reshape(-1).long(), states.view(rows * T, HV, V, K))
-        return o.view(rows * T, HV, V)
+        # Padded rows (and positions past a short row's tokens) write to vLLM's null block.
+        ssm_state.index_copy_(0, write, states.view(rows * T, HV, V, K))
+        o = o.view(rows * T, HV, V)
+        return o if gather is None else o.index_select(0, md.qla_spec_keep)
+
+
+def conv_update_spec_torch(x, conv_state, weight, bias, activation, slots, accepted, query_start_loc):
+    """:meth:`QlaGatedDeltaNetAttention._qla_conv_update_spec` in PyTorch (the CPU path):
+    ``x [tokens, dim]``, ``conv_state [slots, dim, W - 1 + num_spec]`` updated in place,
+    ``weight [dim, W]``; returns the conv output, x's dtype."""
+    W = weight.shape[1]
+    out = torch.empty_like(x)
+    bounds = query_start_loc.tolist()
+    for i, (slot, acc) in enumerate(zip(slots.tolist(), accepted.tolist())):
+        lo, hi = bounds[i], bounds[i + 1]
+        if hi == lo or slot == VLLM_NULL_BLOCK_ID:
+            continue
+        window = conv_state[slot, :, acc - 1: acc - 1 + W - 1]
+        tokens = x[lo:hi].T.to(conv_state.dtype)
+        seq = torch.cat([window, tokens], dim=-1).float()
+        y = torch.nn.functional.conv1d(seq.unsqueeze(0), weight.float().unsqueeze(1),
+                                       None if bias is None else bias.float(), groups=weight.shape[0])[0]
+        if activation in ("silu", "swish"):
+            y = torch.nn.functional.silu(y)
+        out[lo:hi] = y.T.to(x.dtype)
+        kept = torch.cat([window[:, 1:], tokens], dim=-1)
+        conv_state[slot, :, : kept.shape[1]] = kept
+    return out
 
 
 def register_layers() -> None:

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from vllm.v1.attention.backends import gdn_attn
 from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionBackend,
     GDNAttentionMetadata,
@@ -43,6 +44,27 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
             tokens (host-side, so the layer knows without a sync); None without them.
         qla_bound: the step's bound launches (``QLA_BOUND_LAUNCH``), filled by its first GDN
             layer and rerun by the others: layout key -> launch.
+
+    Speculative servers only (``num_speculative_tokens > 0``; None otherwise):
+        qla_resume_src: ``[R]`` int64 on the device — for each row without drafts this step (and
+            a token), the slot holding its state: block-table column ``num_accepted - 1``. vLLM
+            reads column 0 for such rows; after a step that accepted drafts (``ngram``, which
+            may propose none on the next step) the state is elsewhere. Set only after a step with
+            drafts; every layer first moves these states to column 0.
+        qla_resume_dst: ``[R]`` int64 — column 0 of the same rows.
+        qla_resume_conv_cols: ``[R, 1, W - 1]`` int64 — the conv window of each such row, columns
+            ``num_accepted - 1 ..`` of its conv state, which move to columns ``0 .. W - 2``.
+        qla_decode_accepted: int32 ones and ``qla_decode_query_start_loc`` int32 ``0, 1, 2, ..``
+            (the layer takes as many as the step has rows), set on steps of one-token rows only:
+            their conv runs vLLM's speculative update, whose window layout the speculative rows
+            share (vLLM's one-token update appends past the window when the conv state has
+            room for drafts).
+        qla_spec_gather: ``[rows * T]`` int64 — for drafts of unequal length (``ngram``), the
+            speculative token behind each of ``T = num_spec + 1`` positions per row (a short
+            row repeats its last token); None when every row has ``T`` tokens.
+        qla_spec_write: ``[rows * T]`` int64 — the slot the state after each position goes to
+            (its block-table column; vLLM's null block past the row's tokens).
+        qla_spec_keep: ``[num_spec_decode_tokens]`` int64 — the positions that are real tokens.
     """
 
     qla_plan: PrefillPlan | None = None
@@ -51,6 +73,14 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
     qla_prefill_rows: torch.Tensor | None = None
     qla_spec_uniform: bool | None = None
     qla_bound: dict = dataclasses.field(default_factory=dict)
+    qla_resume_src: torch.Tensor | None = None
+    qla_resume_dst: torch.Tensor | None = None
+    qla_resume_conv_cols: torch.Tensor | None = None
+    qla_decode_accepted: torch.Tensor | None = None
+    qla_decode_query_start_loc: torch.Tensor | None = None
+    qla_spec_gather: torch.Tensor | None = None
+    qla_spec_write: torch.Tensor | None = None
+    qla_spec_keep: torch.Tensor | None = None
 
 
 def prefill_query_lens_cpu(
@@ -122,6 +152,17 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.qla_requested = flashqla_requested(vllm_config)
         self.qla_num_v_heads = _value_heads(kv_cache_spec)
+        # Speculative servers: the runner's per-request accepted counts (a persistent buffer,
+        # handed to the builder only on steps with drafts), whether the last step had drafts,
+        # and constant rows for the one-token conv of steps without.
+        self.qla_accepted: torch.Tensor | None = None
+        self.qla_last_step_had_drafts = False
+        self._qla_capturing = False
+        if self.num_spec > 0 and self.qla_requested:
+            self.qla_conv_width = int(vllm_config.model_config.hf_text_config.linear_conv_kernel_dim)
+            rows = max(self.decode_cudagraph_max_bs, vllm_config.scheduler_config.max_num_seqs)
+            self.qla_ones = torch.ones(rows, dtype=torch.int32, device=device)
+            self.qla_arange = torch.arange(rows + 1, dtype=torch.int32, device=device)
 
     def build(  # type: ignore[override]
         self,
@@ -144,7 +185,65 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             mask = self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)
             lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff()[mask[: m.num_reqs]]
             out.qla_spec_uniform = bool((lens == self.num_spec + 1).all())
+            if not out.qla_spec_uniform:
+                self._attach_spec_padding(out, lens.tolist())
+        if self.num_spec > 0:
+            self._attach_resume(out, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu)
         return out
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        # vLLM passes made-up accepted counts here: not the runner's buffer, not a real step
+        self._qla_capturing = True
+        try:
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._qla_capturing = False
+
+    def _attach_spec_padding(self, md: QlaGDNAttentionMetadata, lens: list[int]) -> None:
+        """Drafts of unequal length (``ngram`` proposes up to ``num_spec``): every speculative row
+        padded to ``T`` positions, so the verify kernel of uniform rows runs them."""
+        T = self.num_spec + 1
+        gather, keep, valid, start = [], [], [], 0
+        for i, n in enumerate(lens):
+            gather += [start + min(t, n - 1) for t in range(T)]
+            keep += range(i * T, i * T + n)
+            valid += [t < n for t in range(T)]
+            start += n
+        dev = md.spec_state_indices_tensor.device
+        md.qla_spec_gather, md.qla_spec_keep = (_to_device(v, torch.int64, dev) for v in (gather, keep))
+        slots = md.spec_state_indices_tensor[: len(lens)].reshape(-1).long()
+        md.qla_spec_write = torch.where(_to_device(valid, torch.bool, dev), slots, VLLM_NULL_BLOCK_ID)
+
+    def _attach_resume(self, md: QlaGDNAttentionMetadata, m, num_accepted_tokens, num_decode_draft_tokens_cpu):
+        """Where each row without drafts finds its state, on a speculative server (see
+        :class:`QlaGDNAttentionMetadata`), and the conv rows of its one-token rows."""
+        if self._qla_capturing:
+            return
+        if num_accepted_tokens is not None:
+            base = num_accepted_tokens._base  # the runner's buffer, of which vLLM passes a slice
+            self.qla_accepted = base if base is not None else num_accepted_tokens
+        had_drafts = self.qla_last_step_had_drafts
+        self.qla_last_step_had_drafts = md.spec_sequence_masks is not None
+        if md.spec_sequence_masks is None and md.num_decodes > 0 and md.num_prefills == 0:
+            md.qla_decode_accepted, md.qla_decode_query_start_loc = self.qla_ones, self.qla_arange
+        if not had_drafts or self.qla_accepted is None:
+            return  # every state is in column 0: the last step accepted at most its one token
+        lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff().tolist()
+        spec = ([False] * m.num_reqs if md.spec_sequence_masks is None
+                else self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)[: m.num_reqs].tolist())
+        rows = [i for i, (n, s) in enumerate(zip(lens, spec)) if n > 0 and not s]
+        if not rows:
+            return
+        dev = m.query_start_loc.device
+        table = gdn_attn.mamba_get_block_table_tensor(m.block_table_tensor, m.seq_lens, self.kv_cache_spec,
+                                             self.vllm_config.cache_config.mamba_cache_mode)
+        idx = _to_device(rows, torch.int64, dev)
+        table = table.index_select(0, idx)[:, : self.num_spec + 1].long()
+        col = (self.qla_accepted.index_select(0, idx).long() - 1).clamp_(0, self.num_spec)
+        md.qla_resume_src = table.gather(1, col.unsqueeze(1)).squeeze(1)
+        md.qla_resume_dst = table[:, 0]
+        window = torch.arange(self.qla_conv_width - 1, device=dev)
+        md.qla_resume_conv_cols = (col.unsqueeze(1) + window).unsqueeze(1)
 
     @staticmethod
     def _spec_mask_cpu(md, num_decode_draft_tokens_cpu):
@@ -199,6 +298,12 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             new.qla_prefill_state_indices = idx if new.qla_prefill_rows is None else idx.index_select(
                 0, new.qla_prefill_rows)
         return new
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on ``device`` without waiting for the copy (pinned staging on CUDA)."""
+    t = torch.tensor(values, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+    return t.to(device, non_blocking=True)
 
 
 class QlaGDNAttentionBackend(GDNAttentionBackend):

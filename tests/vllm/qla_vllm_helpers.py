@@ -98,7 +98,8 @@ def common_metadata(query_lens, context_lens, slots, device="cpu"):
     Args:
         query_lens: tokens each request schedules this step (decodes first, as vLLM orders them).
         context_lens: tokens each request had computed before this step.
-        slots: the state slot (mamba block) of each request.
+        slots: the state slot (mamba block) of each request, or a row of slots per request
+            (a speculative server's block table: one per draft position).
     """
     import torch
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -111,7 +112,7 @@ def common_metadata(query_lens, context_lens, slots, device="cpu"):
     fields = dict(
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device),
         num_reqs=len(query_lens), num_actual_tokens=n_tok, max_query_len=int(q.max()),
-        max_seq_len=int(seq.max()), block_table_tensor=torch.tensor(slots, dtype=torch.int32).view(-1, 1).to(device),
+        max_seq_len=int(seq.max()), block_table_tensor=torch.tensor(slots, dtype=torch.int32).view(len(query_lens), -1).to(device),
         slot_mapping=torch.zeros(n_tok, dtype=torch.int64, device=device), _seq_lens_cpu=seq,
         seq_lens_cpu_upper_bound=seq,
     )
