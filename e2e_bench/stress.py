@@ -426,11 +426,28 @@ def metrics_args(engine: str) -> list[str]:
     return ["--enable-metrics"] if engine == "sglang" else []
 
 
-def spec_args(engine: str, model_type: str, k: int) -> list[str]:
+SPEC_METHODS = ("mtp", "ngram")
+
+
+def spec_tag(method: str, k: int) -> str:
+    """A speculative server's tag (``spec2``, ``ngram2``); its rows' scenario is ``spec-2`` / ``ngram-2``."""
+    return f"{'spec' if method == 'mtp' else 'ngram'}{k}"
+
+
+def spec_args(engine: str, model_type: str, k: int, method: str = "mtp") -> list[str]:
     """MTP speculative decoding with ``k`` draft tokens per step. SGLang: ``NEXTN`` (which it
     resolves to ``EAGLE``) loads the target's own config as the draft, as
     ``Qwen3NextForCausalLMMTP`` (one MTP layer; ``--load-format dummy`` applies to it too);
-    ``k`` steps of a linear chain verify ``k + 1`` tokens."""
+    ``k`` steps of a linear chain verify ``k + 1`` tokens.
+
+    ``ngram`` (vLLM): drafts of up to ``k`` tokens looked up in the request's own tokens, none
+    when no n-gram of 2 to 4 tokens recurs, so steps mix rows with drafts of every length and
+    rows without, and a row without drafts often follows one that accepted several."""
+    if method == "ngram":
+        if engine != "vllm":
+            raise ValueError("--spec-method ngram: vLLM's proposer; SGLang's speculative servers run NEXTN")
+        return ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": k,
+                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
     if engine == "vllm":
         method = "qwen3_next_mtp" if model_type == "qwen3_next" else "mtp"
         return ["--speculative-config", json.dumps({"method": method, "num_speculative_tokens": k})]
@@ -447,7 +464,8 @@ def server_commands(s: serve.Setup, backend: str, args, model_type: str) -> dict
     cmds = {"oracle": serve.server_command(s, backend, oracle_args(e) + args.server_arg),
             "stress": serve.server_command(s, backend, stress + args.server_arg)}
     for k in args.spec_tokens:
-        cmds[f"spec{k}"] = serve.server_command(s, backend, spec_args(e, model_type, k) + metrics_args(e)
+        cmds[spec_tag(args.spec_method, k)] = serve.server_command(
+            s, backend, spec_args(e, model_type, k, args.spec_method) + metrics_args(e)
                                                 + args.server_arg)
     return cmds
 
@@ -532,13 +550,16 @@ def oracle_being_made(work: pathlib.Path, backend: str, key: str) -> bool:
 
 
 def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
-    """Every part saved in ``work`` for ``key``: a failed oracle, the stress server, then spec by k."""
+    """Every part saved in ``work`` for ``key``: a failed oracle, the stress server, then MTP and
+    ngram servers by k."""
     found = []
     for backend in backends:
         for path in work.glob(f"rows-{backend}-*.json"):
             if (saved := saved_for(path, key)) is not None:
                 part = path.stem[len(f"rows-{backend}-"):]
-                order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (2, int(part[4:]) if part[4:].isdigit() else 99)
+                spec = re.fullmatch(r"(spec|ngram)(\d+)", part)
+                order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (
+                    (2 + (spec[1] == "ngram"), int(spec[2])) if spec else (4, 0))
                 found.append((order, {"backend": backend, "part": part, **saved}))
     return [p for _, p in sorted(found, key=lambda t: (list(backends).index(t[1]["backend"]), t[0]))]
 
@@ -763,7 +784,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         # while the oracle is made beside it.
         measured = []  # (tag, the row's fields, the requests, the answers, info)
         for k in args.spec_tokens:
-            tag = f"spec{k}"
+            tag = spec_tag(args.spec_method, k)
             srv = start(tag)
             if srv is None:
                 continue
@@ -775,7 +796,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 crashed = srv.crashed()
                 if crashed:
                     serve.log(f"server {backend} {tag} died:\n{serve.tail(srv.log_path)}")
-                fields = {"backend": backend, "scenario": f"spec-{k}", "crashed": crashed,
+                fields = {"backend": backend, "scenario": f"{tag[:-len(str(k))]}-{k}", "crashed": crashed,
                           "server_metrics": {} if crashed else metrics()}
                 measured.append((tag, fields, reqs, got, info(tag, srv)))
                 early = spec_row(s.engine, fields, reqs, got, oracle)
@@ -840,7 +861,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{r['failed_clean']} | {r['failed_other']} | {r['crashed']} | {r['compared']} | "
                      f"{'—' if mean is None else f'{mean:.1f}'} | {r['diverged_within_16']} | "
                      f"{m.get('preemptions', '—')} | {m.get('prefix_cache_hits', '—')} | "
-                     f"{drafts_accepted(m) if r['scenario'].startswith('spec') else ''} | "
+                     f"{drafts_accepted(m) if r['scenario'].startswith(('spec', 'ngram')) else ''} | "
                      f"{r.get('oracle_distinct_tokens') if r.get('oracle_distinct_tokens') is not None else '—'} |")
     lines += ["", ("Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"
                "eviction with its flood of unrelated prompts), a speculative server's in all; rows without "
@@ -869,6 +890,8 @@ def parse_args(argv):
     p.add_argument("--suffixes", type=int, default=4)
     p.add_argument("--flood", type=int, default=8, help="prefix: unrelated long prompts sent to evict")
     p.add_argument("--spec-tokens", nargs="*", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--spec-method", choices=SPEC_METHODS, default="mtp",
+                   help="the speculative servers' proposer: the model's MTP layer, or vLLM's ngram lookup")
     p.add_argument("--spec-requests", type=int, default=64)
     p.add_argument("--spec-max-prompt", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
@@ -904,6 +927,8 @@ def parse_args(argv):
         p.error(f"--rate {args.rate}: must be > 0")
     if any(k < 1 or k > 8 for k in args.spec_tokens):
         p.error(f"--spec-tokens {args.spec_tokens}: each must be in 1..8")
+    if args.spec_method == "ngram" and args.engine != "vllm":
+        p.error("--spec-method ngram: vLLM's proposer only (SGLang's speculative servers run NEXTN)")
     i, _, n = args.oracle_shard.partition("/")
     if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
         p.error(f"--oracle-shard {args.oracle_shard}: must be I/N with 1 <= I <= N")

@@ -160,7 +160,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self._qla_capturing = False
         if self.num_spec > 0 and self.qla_requested:
             self.qla_conv_width = int(vllm_config.model_config.hf_text_config.linear_conv_kernel_dim)
-            rows = max(self.decode_cudagraph_max_bs, vllm_config.scheduler_config.max_num_seqs)
+            rows = max(getattr(self, "decode_cudagraph_max_bs", 0), vllm_config.scheduler_config.max_num_seqs)
             self.qla_ones = torch.ones(rows, dtype=torch.int32, device=device)
             self.qla_arange = torch.arange(rows + 1, dtype=torch.int32, device=device)
 
