@@ -55,3 +55,34 @@ def distinct_tokens(answers: list[list[int]]) -> int | None:
     token repeated (the engines' dummy weights), which agreement can hardly tell from a wrong state."""
     counts = sorted(len(set(a)) for a in answers if a)
     return counts[len(counts) // 2] if counts else None
+
+
+# Where two servers' answers part, a gap below this (nats, both ways) is a near tie that bf16
+# rounding can flip: logits of a few units carry about 0.03 of rounding per bf16 step, and a
+# step's many sums add a few of those.
+TIE_NATS = 0.25
+
+
+def logprob_agreement(ref: list[int], ref_lp: list, out: list[int], out_lp: list) -> dict | None:
+    """How closely two greedy answers to one prompt agree in probability, not only in tokens.
+
+    ``ref_lp`` / ``out_lp``: per generated token ``[logprob of the chosen token, [[token, logprob],
+    ...] of the server's top tokens]``. Over the tokens both answers share (the same context for
+    both servers) ``drift`` is the largest difference of the chosen token's logprob: bf16 numerics
+    keep it near 0, a wrong state moves it. Where the answers part, ``gap`` is how decided each
+    server was against the other's token (the larger of the two; infinite when the other's token is
+    not among a server's top tokens): below :data:`TIE_NATS` the two tokens were a near tie. None
+    when either answer has no logprobs.
+    """
+    if not ref_lp or not out_lp:
+        return None
+    n = agreeing_prefix(ref, out)
+    shared = min(n, len(ref_lp), len(out_lp))
+    drift = max((abs(ref_lp[i][0] - out_lp[i][0]) for i in range(shared)), default=0.0)
+    gap = None
+    if n < min(len(ref), len(out)) and n < min(len(ref_lp), len(out_lp)):
+        def margin(lp, other):
+            top = dict((int(t), v) for t, v in lp[1])
+            return lp[0] - top[other] if other in top else float("inf")
+        gap = max(margin(ref_lp[n], out[n]), margin(out_lp[n], ref[n]))
+    return {"drift": drift, "gap": gap}

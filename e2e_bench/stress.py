@@ -57,7 +57,7 @@ import sys
 import time
 
 from . import serve
-from .agreement import agreeing_prefix, distinct_tokens
+from .agreement import TIE_NATS, agreeing_prefix, distinct_tokens, logprob_agreement
 
 SCENARIOS = ("bad", "abort", "load", "prefix")
 PHASES = ("all", "oracle", "stress", "spec")
@@ -228,13 +228,19 @@ def rid(req: dict) -> str:
     return f"stress-{req['id']}"
 
 
-def completion_body(engine: str, req: dict, stream: bool = False) -> tuple[str, bytes]:
+def completion_body(engine: str, req: dict, stream: bool = False, logprobs: int = 0) -> tuple[str, bytes]:
+    """The request's HTTP path and body; with ``logprobs`` (not streamed) the answer also carries
+    each generated token's logprob and the ``logprobs`` most likely tokens, by token id."""
     if engine == "vllm":
-        return request_path(engine), json.dumps({
-            "model": "bench", "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "stream": stream}).encode()
+        body = {"model": "bench", "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "stream": stream}
+        if logprobs and not stream:
+            body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
+        return request_path(engine), json.dumps(body).encode()
     body = {"input_ids": req["prompt"], "stream": stream, "sampling_params": {
         "max_new_tokens": req["max_tokens"], "temperature": 0, "ignore_eos": True}}
+    if logprobs and not stream:
+        body.update(return_logprob=True, top_logprobs_num=logprobs)
     if req.get("abort"):
         body["rid"] = rid(req)
     return request_path(engine), json.dumps(body).encode()
@@ -245,6 +251,22 @@ def output_tokens(engine: str, payload: bytes) -> list[int] | None:
         data = json.loads(payload)
         return list(data["choices"][0]["token_ids"]) if engine == "vllm" else list(data["output_ids"])
     except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def output_logprobs(engine: str, payload: bytes) -> list | None:
+    """Per generated token ``[logprob, [[token, logprob], ...]]`` (the chosen token's, then the top
+    tokens'), or None when the answer has none."""
+    try:
+        data = json.loads(payload)
+        if engine == "vllm":
+            lp = data["choices"][0]["logprobs"]
+            return [[c, [[int(t.rsplit(":", 1)[1]), v] for t, v in (top or {}).items()]]
+                    for c, top in zip(lp["token_logprobs"], lp["top_logprobs"])]
+        meta = data["meta_info"]
+        return [[c[0], [[t[1], t[0]] for t in top or []]]
+                for c, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])]
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
 
 
@@ -263,7 +285,7 @@ def finish_reason(engine: str, payload: bytes) -> str | None:
 
 
 async def run_requests(engine: str, port: int, reqs: list[dict], concurrent: bool,
-                       deadline: float | None = None) -> dict[str, dict]:
+                       deadline: float | None = None, logprobs: int = 0) -> dict[str, dict]:
     """Send ``reqs`` (at their ``at`` times when concurrent, else one after another), each with a
     600 s timeout that ends at ``deadline`` (``time.monotonic()``) at the latest. SGLang's dropped
     requests are also aborted through its ``/abort_request`` (vLLM aborts on the disconnect;
@@ -274,7 +296,7 @@ async def run_requests(engine: str, port: int, reqs: list[dict], concurrent: boo
         if concurrent and req.get("at"):
             await asyncio.sleep(req["at"])
         timeout = 600.0 if deadline is None else max(1.0, min(600.0, deadline - time.monotonic()))
-        path, body = completion_body(engine, req, stream=bool(req.get("abort")))
+        path, body = completion_body(engine, req, stream=bool(req.get("abort")), logprobs=logprobs)
         out: dict = {}
         before_close = None
         if engine == "sglang" and req.get("abort"):
@@ -286,6 +308,8 @@ async def run_requests(engine: str, port: int, reqs: list[dict], concurrent: boo
         ok = status == 200
         results[req["id"]] = {"status": status, "tokens": output_tokens(engine, payload) if ok else None,
                               "finish": finish_reason(engine, payload) if ok else None, **out}
+        if ok and logprobs and not req.get("abort"):
+            results[req["id"]]["logprobs"] = output_logprobs(engine, payload)
 
     if concurrent:
         await asyncio.gather(*(one(r) for r in reqs))
@@ -366,11 +390,15 @@ def parse_metrics(text: str, engine: str = "vllm") -> dict[str, float]:
 
 
 def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> dict:
-    """Agreement of ``got`` with ``oracle`` over the request ids both completed."""
-    before, early, compared, answers = [], 0, 0, []
+    """Agreement of ``got`` with ``oracle`` over the request ids both completed; where both carry
+    logprobs (``--logprobs``), also how far apart in probability (``agreement.logprob_agreement``):
+    the largest logprob drift over the tokens they share (median and max over requests), and how
+    many of the divergences were not near ties (a gap of ``TIE_NATS`` or more)."""
+    before, early, compared, answers, drifts, gaps = [], 0, 0, [], [], []
     for rid_ in ids_:
-        o, g = (oracle.get(rid_) or {}).get("tokens"), (got.get(rid_) or {}).get("tokens")
-        if not o or g is None or (got.get(rid_) or {}).get("finish") == "abort":
+        o_res, g_res = oracle.get(rid_) or {}, got.get(rid_) or {}
+        o, g = o_res.get("tokens"), g_res.get("tokens")
+        if not o or g is None or g_res.get("finish") == "abort":
             continue
         compared += 1
         answers.append(o)
@@ -378,8 +406,20 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> d
         before.append(n)
         if n < min(EARLY, len(o)):
             early += 1
-    return {"compared": compared, "mean_tokens_before_divergence": (sum(before) / len(before)) if before else None,
-            "diverged_within_16": early, "oracle_distinct_tokens": distinct_tokens(answers)}
+        lp = logprob_agreement(o, o_res.get("logprobs"), g, g_res.get("logprobs"))
+        if lp is not None:
+            drifts.append(lp["drift"])
+            if lp["gap"] is not None:
+                gaps.append(lp["gap"])
+    row = {"compared": compared, "mean_tokens_before_divergence": (sum(before) / len(before)) if before else None,
+           "diverged_within_16": early, "oracle_distinct_tokens": distinct_tokens(answers)}
+    if drifts:
+        drifts.sort()
+        row.update(logprob_compared=len(drifts), logprob_drift_median=drifts[len(drifts) // 2],
+                   logprob_drift_max=drifts[-1], divergences=len(gaps),
+                   divergences_not_near_tie=sum(gap >= TIE_NATS for gap in gaps),
+                   divergence_gap_median=sorted(gaps)[len(gaps) // 2] if gaps else None)
+    return row
 
 
 def summarize(engine: str, plan: dict, oracle: dict, got: dict, scenario: str) -> dict:
@@ -480,6 +520,8 @@ def run_key(args, plan: dict) -> str:
             "tp": args.tp, "server_args": args.server_arg}
     if args.weights != "dummy":  # (keys of runs before the choice stay valid)
         what["weights"] = args.weights
+    if args.logprobs:  # an oracle without them cannot be compared in probability
+        what["logprobs"] = args.logprobs
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -658,7 +700,8 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             maker.unlink(missing_ok=True)
             return problems
         try:
-            got = asyncio.run(run_requests(s.engine, s.port, mine, concurrent=False, deadline=budget.deadline()))
+            got = asyncio.run(run_requests(s.engine, s.port, mine, concurrent=False, deadline=budget.deadline(),
+                                           logprobs=args.logprobs))
             if n == 1:  # (a partial one still scores this run's rows)
                 oracle = got
             done = sum(v["status"] == 200 for v in got.values())
@@ -741,7 +784,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                     else:
                         concurrent = scenario != "prefix"
                         got = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent,
-                                                       deadline=budget.deadline()))
+                                                       deadline=budget.deadline(), logprobs=args.logprobs))
                         rows.append({"scenario": scenario, "crashed": srv.crashed(),
                                      "seconds": round(time.monotonic() - t0, 1)})
                         count(rows[-1])
@@ -753,7 +796,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                             asyncio.run(run_requests(s.engine, s.port, flood, concurrent=True,
                                                      deadline=budget.deadline()))
                             again = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent=True,
-                                                             deadline=budget.deadline()))
+                                                             deadline=budget.deadline(), logprobs=args.logprobs))
                             rows.append({"scenario": "prefix-after-eviction", "crashed": srv.crashed(),
                                          "seconds": round(time.monotonic() - t0, 1)})
                             count(rows[-1])  # the flood's requests included
@@ -792,7 +835,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 # mixed batches: requests with and without drafts come from one concurrent stream
                 reqs = [r for r in everything if len(r["prompt"]) <= args.spec_max_prompt][: args.spec_requests]
                 got = asyncio.run(run_requests(s.engine, s.port, [{**r, "at": 0.02 * i} for i, r in enumerate(reqs)],
-                                               concurrent=True, deadline=budget.deadline()))
+                                               concurrent=True, deadline=budget.deadline(), logprobs=args.logprobs))
                 crashed = srv.crashed()
                 if crashed:
                     serve.log(f"server {backend} {tag} died:\n{serve.tail(srv.log_path)}")
@@ -843,18 +886,18 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines.append("")
     lines += [("| backend | scenario | sent | completed | aborted | failed 4xx | failed other | crashed | compared | "
                "mean tokens before divergence | diverged within 16 | preemptions | prefix hits | drafts accepted | "
-               "oracle's distinct tokens |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+               "oracle's distinct tokens | logprob drift, median / max | divergences not near a tie |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         # a stress-server row's own counts; a speculative server's (and earlier runs') the server's
         m = r.get("scenario_metrics") or r.get("server_metrics") or {}
         if r["scenario"] == "bad":
             lines.append(f"| {r['backend']} | bad | {r['sent']} | {r['no_5xx']} without 5xx | | | | {r['crashed']} | "
-                         f"served after each: {r['served_after']} | | | | | | |")
+                         f"served after each: {r['served_after']} | | | | | | | | |")
             continue
         if r.get("error") or r.get("pending"):
             what = f"failed: {r['error']}" if r.get("error") else f"pending: {r['pending']}"
-            lines.append(f"| {r['backend']} | {r['scenario']} | {what} | | | | | | | | | | | | |")
+            lines.append(f"| {r['backend']} | {r['scenario']} | {what} | | | | | | | | | | | | | | |")
             continue
         mean = r.get("mean_tokens_before_divergence")
         lines.append(f"| {r['backend']} | {r['scenario']} | {r['sent']} | {r['completed']} | {r['aborted']} | "
@@ -862,14 +905,28 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{'—' if mean is None else f'{mean:.1f}'} | {r['diverged_within_16']} | "
                      f"{m.get('preemptions', '—')} | {m.get('prefix_cache_hits', '—')} | "
                      f"{drafts_accepted(m) if r['scenario'].startswith(('spec', 'ngram')) else ''} | "
-                     f"{r.get('oracle_distinct_tokens') if r.get('oracle_distinct_tokens') is not None else '—'} |")
+                     f"{r.get('oracle_distinct_tokens') if r.get('oracle_distinct_tokens') is not None else '—'} | "
+                     f"{logprob_cells(r)} |")
     lines += ["", ("Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"
                "eviction with its flood of unrelated prompts), a speculative server's in all; rows without "
                "`scenario_metrics` in the JSON show the server's totals. Drafts accepted: vLLM's accepted of "
                "drafted tokens, SGLang's mean accepted length per verify step (its gauge at the end). Oracle's "
                "distinct tokens: the median count of different tokens in the oracle's answers compared (1: each "
-               "answer one token repeated, which agreement can hardly tell from a wrong state; --weights random).")]
+               "answer one token repeated, which agreement can hardly tell from a wrong state; --weights random). "
+               "With --logprobs, over the tokens a request's answer shares with its oracle (the same context on "
+               "both servers): the largest difference of the chosen token's logprob, median and max over the "
+               f"requests (bf16 numerics keep it near 0, a wrong state moves it); and of the requests that "
+               f"diverge, how many parted where either server was {TIE_NATS} nats or more from the other's token "
+               "(a near tie flips under bf16 rounding; a wrong state does not need one).")]
     return "\n".join(lines) + "\n"
+
+
+def logprob_cells(r: dict) -> str:
+    """The two logprob columns of a row (— without logprobs)."""
+    if r.get("logprob_drift_max") is None:
+        return "— | —"
+    return (f"{r['logprob_drift_median']:.3f} / {r['logprob_drift_max']:.3f} | "
+            f"{r['divergences_not_near_tie']} of {r['divergences']}")
 
 
 def parse_args(argv):
@@ -890,6 +947,9 @@ def parse_args(argv):
     p.add_argument("--suffixes", type=int, default=4)
     p.add_argument("--flood", type=int, default=8, help="prefix: unrelated long prompts sent to evict")
     p.add_argument("--spec-tokens", nargs="*", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--logprobs", type=int, default=0, metavar="K",
+                   help="every compared request also returns its tokens' logprobs and its top K tokens: agreement "
+                        "in probability (drift, near ties at divergences) beside the tokens'")
     p.add_argument("--spec-method", choices=SPEC_METHODS, default="mtp",
                    help="the speculative servers' proposer: the model's MTP layer, or vLLM's ngram lookup")
     p.add_argument("--spec-requests", type=int, default=64)

@@ -127,6 +127,48 @@ def test_compare_counts_early_divergence():
     assert stress.compare(mixed, mixed, [1, 2, 3])["oracle_distinct_tokens"] == 2
 
 
+def test_compare_in_probability_tells_near_ties_from_clear_divergences():
+    """With logprobs: drift over the shared tokens, and whether the parting was a near tie."""
+    def lps(chosen, tops):
+        return [[c, [[t, v] for t, v in top.items()]] for c, top in zip(chosen, tops)]
+    toks = [5, 6, 7, 8]
+    oracle = {"a": {"tokens": toks, "logprobs": lps([-1.0, -0.5, -2.0, -0.1], [{5: -1.0, 9: -1.1}, {6: -0.5},
+                                                                             {7: -2.0, 3: -2.05}, {8: -0.1}])},
+              "b": {"tokens": toks, "logprobs": lps([-1.0, -0.5, -2.0, -0.1], [{5: -1.0}, {6: -0.5, 4: -3.0},
+                                                                             {7: -2.0}, {8: -0.1}])}}
+    got = {  # a: parts at a near tie after a small drift; b: parts where the oracle's token is far down
+        "a": {"tokens": [5, 6, 3, 1], "logprobs": lps([-1.02, -0.49, -2.01, -0.3], [{5: -1.02}, {6: -0.49},
+                                                                                  {3: -2.01, 7: -2.03}, {1: -0.3}])},
+        "b": {"tokens": [5, 4, 0, 0], "logprobs": lps([-1.0, -0.2, -1.0, -1.0], [{5: -1.0}, {4: -0.2}, {0: -1.0},
+                                                                               {0: -1.0}])}}
+    r = stress.compare(oracle, got, ["a", "b"])
+    assert r["mean_tokens_before_divergence"] == (2 + 1) / 2
+    assert r["logprob_compared"] == 2 and r["divergences"] == 2
+    assert r["divergences_not_near_tie"] == 1  # b: its server had no 6 in its top tokens
+    assert abs(r["logprob_drift_max"] - 0.02) < 1e-9
+    assert stress.logprob_cells(r) == "0.020 / 0.020 | 1 of 2"
+    # answers without logprobs (an earlier oracle) are compared in tokens only
+    assert "logprob_drift_max" not in stress.compare({"a": {"tokens": toks}}, got, ["a"])
+
+
+def test_requests_ask_for_logprobs_and_read_them_by_token_id():
+    req = {"id": "x", "prompt": [1, 2], "max_tokens": 2}
+    body = json.loads(stress.completion_body("vllm", req, logprobs=3)[1])
+    assert body["logprobs"] == 3 and body["return_tokens_as_token_ids"] is True
+    assert "logprobs" not in json.loads(stress.completion_body("vllm", req, stream=True, logprobs=3)[1])
+    body = json.loads(stress.completion_body("sglang", req, logprobs=3)[1])
+    assert body["return_logprob"] is True and body["top_logprobs_num"] == 3
+    vllm_answer = json.dumps({"choices": [{"token_ids": [7, 9], "logprobs": {
+        "token_logprobs": [-0.1, -0.7], "tokens": ["token_id:7", "token_id:9"],
+        "top_logprobs": [{"token_id:7": -0.1, "token_id:2": -2.5}, {"token_id:9": -0.7}]}}]}).encode()
+    assert stress.output_logprobs("vllm", vllm_answer) == [[-0.1, [[7, -0.1], [2, -2.5]]], [-0.7, [[9, -0.7]]]]
+    sglang_answer = json.dumps({"output_ids": [7, 9], "meta_info": {
+        "output_token_logprobs": [[-0.1, 7, None], [-0.7, 9, None]],
+        "output_top_logprobs": [[[-0.1, 7, None], [-2.5, 2, None]], [[-0.7, 9, None]]]}}).encode()
+    assert stress.output_logprobs("sglang", sglang_answer) == [[-0.1, [[7, -0.1], [2, -2.5]]], [-0.7, [[9, -0.7]]]]
+    assert stress.output_logprobs("vllm", b'{"choices": [{"token_ids": [1]}]}') is None
+
+
 def _tokens(prompt, n):
     return [t % 7 for t in prompt[:n]]
 
