@@ -743,3 +743,34 @@ def test_bound_packed_prefill_on_the_gpu_writes_what_the_op_writes(pool_dtype, l
     torch.cuda.synchronize()
     assert torch.isfinite(second["out"]).all()
     assert torch.equal(second["out"], ref["out"]) and torch.equal(second["state_pool"], ref["state_pool"])
+
+
+def test_ops_hand_the_kernels_packed_slots(monkeypatch):
+    """A speculative vLLM server's state indices are a block-table column (stride 1 + drafts): the
+    kernels read slots as a packed array from their address, so the ops pass packed copies of the
+    same values (and bind nothing to them)."""
+    import qla_serving
+    from qla_serving import backend
+    from qla_serving.plan import plan_prefill
+
+    got = []
+    monkeypatch.setattr(backend, "kernel_entry",
+                        lambda *a, **k: (lambda *args, **kw: got.append((kw["state_indices"], kw["bind"]))))
+    N, H, HV, K = 3, 2, 4, 128
+    t = _engine_decode_inputs(N, H, HV, K)
+    table = torch.tensor([[1, 9, 10], [2, 11, 12], [3, 13, 14]], dtype=torch.int32)
+    args = [t[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool")]
+    t["state_pool"] = torch.zeros(16, HV, K, K)
+    args[7] = t["state_pool"]
+    qla_serving.gated_delta_rule_decode(*args, table[:, 0], out=t["out"], min_slot=1, bind={})
+    (slots, bind), = got
+    assert slots.is_contiguous() and slots.tolist() == [1, 2, 3] and bind is None
+    got.clear()
+    plan = plan_prefill([0, 40, 100, 130], device="cpu", num_v_heads=HV)
+    ab = torch.randn(130, 2 * HV, dtype=torch.bfloat16)
+    qkv = torch.randn(130, (2 * H + HV) * K, dtype=torch.bfloat16)
+    qla_serving.chunk_gated_delta_rule_pool_packed(
+        qkv, ab[:, :HV], ab[:, HV:], torch.randn(HV), torch.randn(HV), torch.zeros(16, HV, K, K), table[:, 0],
+        num_qk_heads=H, plan=plan, bind={})
+    (slots, bind), = got
+    assert slots.is_contiguous() and slots.tolist() == [1, 2, 3] and bind is None

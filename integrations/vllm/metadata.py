@@ -283,8 +283,9 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         for L in lens:
             cu.append(cu[-1] + L)
         md.qla_plan = cached_plan(cu, m.query_start_loc.device, self.qla_num_v_heads)
-        md.qla_prefill_state_indices = state_indices
-        md.qla_prefill_has_initial_state = has_initial
+        # packed once per step: on a speculative server vLLM's indices are a block-table column
+        md.qla_prefill_state_indices = state_indices.contiguous()
+        md.qla_prefill_has_initial_state = has_initial.contiguous()
         md.qla_prefill_rows = rows
 
     def update_block_table(self, metadata, blk_table, slot_mapping):  # vLLM >= 0.31
@@ -295,8 +296,8 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         new = super().update_block_table(metadata, blk_table, slot_mapping)
         if isinstance(new, QlaGDNAttentionMetadata) and new.qla_plan is not None:
             idx = new.prefill_state_indices
-            new.qla_prefill_state_indices = idx if new.qla_prefill_rows is None else idx.index_select(
-                0, new.qla_prefill_rows)
+            new.qla_prefill_state_indices = (idx.contiguous() if new.qla_prefill_rows is None
+                                             else idx.index_select(0, new.qla_prefill_rows))
         return new
 
 

@@ -140,7 +140,8 @@ def chunk_gated_delta_rule_pool(
         state_pool: ``[num_slots, HV, V, K]`` float32 or bfloat16 — the engine's state pool,
             ``[HV, V, K]`` contiguous per slot, any slot stride. Read at ``state_indices`` and
             overwritten there with each sequence's final state. Other slots are not touched.
-        state_indices: ``[N]`` int32/int64 — the pool slot of each sequence, distinct.
+        state_indices: ``[N]`` int32/int64, any stride (a strided one is copied first) — the pool
+            slot of each sequence, distinct.
         cu_seqlens: ``[N + 1]`` int32/int64 on q's device — sequence offsets along T. Not
             needed when ``plan`` is given.
         has_initial_state: ``[N]`` bool — read the slot (True) or start from zeros (False);
@@ -169,7 +170,7 @@ def chunk_gated_delta_rule_pool(
     beta = _flatten_batch("beta", beta, 2, "[1, T, HV] or [T, HV]")
     T = q.shape[0]
     H, HV, K, V = _check_prefill_inputs(q, k, v, g, beta, T)
-    plan, has_initial_state, out = _check_pool_call(
+    plan, state_indices, has_initial_state, out = _check_pool_call(
         T, HV, V, K, q.dtype, q.device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu, has_initial_state,
         plan, checkpoints, checkpoint_every, out, "q")
     _run_prefill(q, k, v, g, beta, scale=K**-0.5 if scale is None else scale, plan=plan,
@@ -181,7 +182,8 @@ def chunk_gated_delta_rule_pool(
 def _check_pool_call(T, HV, V, K, dtype, device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu,
                      has_initial_state, plan, checkpoints, checkpoint_every, out, tokens_of: str):
     """The pool forms' common arguments checked (and the plan built when none is given); returns
-    ``(plan, has_initial_state, out)`` with the defaults filled in. ``tokens_of``: the input that
+    ``(plan, state_indices, has_initial_state, out)`` with the defaults filled in (the index and flag
+    tensors packed: copies of strided ones). ``tokens_of``: the input that
     gives the token count ``T``, for the messages."""
     checks.expect_pool("state_pool", state_pool, HV, V, K)
     checks.expect_same_device(device, state_pool=state_pool, state_indices=state_indices,
@@ -201,6 +203,8 @@ def _check_pool_call(T, HV, V, K, dtype, device, state_pool, state_indices, cu_s
         has_initial_state = _all_initial(plan, device)
     checks.expect_shape("has_initial_state", has_initial_state, (N,), "[N] bool")
     checks.expect_dtype("has_initial_state", has_initial_state, (torch.bool,))
+    # the kernels read both as packed arrays; an engine's block-table column is strided
+    state_indices, has_initial_state = state_indices.contiguous(), has_initial_state.contiguous()
     if checkpoints is not None:
         if not plan.checkpoint_every:
             raise ValueError("checkpoints given but no checkpoint_every (in the plan or as an argument)")
@@ -216,7 +220,7 @@ def _check_pool_call(T, HV, V, K, dtype, device, state_pool, state_indices, cu_s
         if out.dtype != dtype:
             raise TypeError(f"out has dtype {out.dtype}; it must match the activations' {dtype}")
         checks.expect_contiguous("out", out)
-    return plan, has_initial_state, out
+    return plan, state_indices, has_initial_state, out
 
 
 def _gate_input(name: str, x: torch.Tensor, T: int, HV: int) -> tuple[torch.Tensor, int]:
@@ -300,9 +304,13 @@ def chunk_gated_delta_rule_pool_packed(
         qkv = qkv.contiguous()
     if bind is not None and any(x is not y for x, y in zip((qkv, a, b), given)):
         bind = None  # a launch bound to a copy would read this call's copy in every later call
-    plan, has_initial_state, out = _check_pool_call(
+    given_slots = (state_indices, has_initial_state)
+    plan, state_indices, has_initial_state, out = _check_pool_call(
         T, HV, V, K, qkv.dtype, qkv.device, state_pool, state_indices, cu_seqlens, cu_seqlens_cpu, has_initial_state,
         plan, checkpoints, checkpoint_every, out, "qkv")
+    if bind is not None and (given_slots[0] is not state_indices
+                             or given_slots[1] is not None and given_slots[1] is not has_initial_state):
+        bind = None  # (the packed copies of strided slots or flags: the same reason)
     scale = K**-0.5 if scale is None else scale
     fwd = backend.kernel_entry("prefill", _prefill_packed_kernels, qkv.device, K, V, qkv.dtype)
     if fwd is not None:

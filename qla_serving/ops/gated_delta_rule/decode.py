@@ -85,7 +85,8 @@ def gated_delta_rule_decode(
         dt_bias: ``[HV]`` float32 (or bf16) — per-head bias of ``a``.
         state_pool: ``[num_slots, HV, V, K]`` float32 or bfloat16 — the engine's pool,
             ``[HV, V, K]`` contiguous per slot, any slot stride; updated in place.
-        state_indices: ``[N]`` int32/int64 — slot of each sequence; ``-1`` (or any value below
+        state_indices: ``[N]`` int32/int64, any stride (a strided one is copied first) — slot of
+            each sequence; ``-1`` (or any value below
             ``min_slot``) marks a padded row (CUDA-graph batches): its state is untouched and
             its output rows are zero.
         scale: output scale, ``K ** -0.5`` when None.
@@ -147,6 +148,9 @@ def gated_delta_rule_decode(
         bind = None  # a launch bound to a copy would read this call's copy in every later call
     checks.expect_slots("state_indices", state_indices, state_pool.shape[0], N, allow_padding=True,
                         min_slot=min_slot)
+    if not state_indices.is_contiguous():
+        # the kernels read the slots as a packed array; an engine's block-table column is strided
+        state_indices, bind = state_indices.contiguous(), None
     if intermediate_states is not None:
         checks.expect_shape("intermediate_states", intermediate_states, (N, T, HV, V, K), "[N, T, HV, V, K]")
         if intermediate_states.dtype != state_pool.dtype:
