@@ -56,7 +56,7 @@ def _oracle_outputs(layer, weight, hist_x, hist_a, hist_b, x, a, b):
     L = y.shape[0]
     q, k = y[:, : H * K].reshape(L, H, K), y[:, H * K: 2 * H * K].reshape(L, H, K)
     v = y[:, 2 * H * K:].reshape(L, HV, V)
-    g, beta = gdn_gate_ref(full_a, full_b, layer.A_log, layer.dt_bias, torch.float64)
+    g, beta = gdn_gate_ref(full_a, full_b, layer.A_log.detach().cpu(), layer.dt_bias.detach().cpu(), torch.float64)
     o, final, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=K**-0.5, use_qk_l2norm=True)
     return o[-x.shape[0]:], final[0]
 
@@ -102,7 +102,7 @@ def run_ngram_steps(config, monkeypatch, device):
                                num_decode_draft_tokens_cpu=torch.tensor(step["drafts"], dtype=torch.int32))
         out = torch.zeros(T, HV, V, dtype=dt, device=device)
         with set_forward_context({layer.prefix: md}, config):
-            layer._forward_core(mixed_qkv=x.to(device), b=b.to(device), a=a.to(device), core_attn_out=out)
+            layer._forward_core(mixed_qkv=x.to(device, copy=True), b=b.to(device), a=a.to(device), core_attn_out=out)
         bounds = torch.tensor([0] + lens).cumsum(0).tolist()
         for r in range(3):
             lo, hi = bounds[r], bounds[r + 1]
