@@ -917,7 +917,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                "both servers): the largest difference of the chosen token's logprob, median and max over the "
                f"requests (bf16 numerics keep it near 0, a wrong state moves it); and of the requests that "
                f"diverge, how many parted where either server was {TIE_NATS} nats or more from the other's token "
-               "(a near tie flips under bf16 rounding; a wrong state does not need one).")]
+               "or did not have it among its top tokens (a near tie flips under bf16 rounding; a wrong state "
+               "does not need one).")]
     return "\n".join(lines) + "\n"
 
 
