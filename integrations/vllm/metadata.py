@@ -46,8 +46,8 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
             layer and rerun by the others: layout key -> launch.
 
     Speculative servers only (``num_speculative_tokens > 0``; None otherwise):
-        qla_resume_src: ``[R]`` int64 on the device — for each row without drafts this step (and
-            a token), the slot holding its state: block-table column ``num_accepted - 1``. vLLM
+        qla_resume_src: ``[R]`` int64 on the device — for each one-token row without drafts this
+            step, the slot holding its state: block-table column ``num_accepted - 1``. vLLM
             reads column 0 for such rows; after a step that accepted drafts (``ngram``, which
             may propose none on the next step) the state is elsewhere. Set only after a step with
             drafts; every layer first moves these states to column 0.
@@ -231,7 +231,9 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff().tolist()
         spec = ([False] * m.num_reqs if md.spec_sequence_masks is None
                 else self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)[: m.num_reqs].tolist())
-        rows = [i for i, (n, s) in enumerate(zip(lens, spec)) if n > 0 and not s]
+        # one-token rows only: a row that had drafts and has none now runs one token; a longer row
+        # without drafts is a prefill chunk, after which the runner counts one accepted token
+        rows = [i for i, (n, s) in enumerate(zip(lens, spec)) if n == 1 and not s]
         if not rows:
             return
         dev = m.query_start_loc.device

@@ -152,6 +152,10 @@ def test_resume_is_planned_only_after_a_step_with_drafts(ngram_config):
     assert md.qla_resume_conv_cols[:, 0].tolist() == [[2, 3, 4], [0, 1, 2], [1, 2, 3]]
     md = builder.build(0, common_metadata([1, 1, 1], [9, 8, 7], table))
     assert md.qla_resume_src is None
+    builder.build(0, common_metadata([3, 3, 3], [9, 8, 7], table), num_accepted_tokens=acc[:3],
+                  num_decode_draft_tokens_cpu=torch.tensor([2, 2, 2], dtype=torch.int32))
+    md = builder.build(0, common_metadata([1, 1, 40], [12, 10, 0], table))  # two decodes, a new prompt
+    assert md.qla_resume_src.tolist() == [3, 4] and md.qla_resume_dst.tolist() == [1, 4]
 
 
 @pytest.mark.gpu
