@@ -64,8 +64,11 @@ WEIGHTS_ENV = "QLA_BENCH_WEIGHTS"
 # Our backends and what each sets in the server's environment (every one under QLA_STRICT=1):
 # flashqla-classic is flashqla with vLLM's own input preparation before the classic prefill
 # kernels (QLA_PREFILL_PACKED=0), for A/B runs against the default packed-inputs prefill;
-# flashqla-bound runs a step's later GDN layers on the first one's bound launches (QLA_BOUND_LAUNCH=1).
-OURS = {"flashqla": {}, "flashqla-classic": {"QLA_PREFILL_PACKED": "0"}, "flashqla-bound": {"QLA_BOUND_LAUNCH": "1"}}
+# flashqla-bound runs a step's later GDN layers on the first one's bound launches (QLA_BOUND_LAUNCH=1);
+# flashqla-fault is flashqla with a state fault (vLLM's qla_dummy weights only), the stress harness's
+# positive control (qla_serving.bench.faults).
+OURS = {"flashqla": {}, "flashqla-classic": {"QLA_PREFILL_PACKED": "0"}, "flashqla-bound": {"QLA_BOUND_LAUNCH": "1"},
+        "flashqla-fault": {"QLA_BENCH_FAULT": "swap-decode-slots"}}
 DEFAULT_BACKENDS = ("flashqla", "default", "flashinfer", "triton")
 BACKENDS = DEFAULT_BACKENDS + tuple(o for o in OURS if o not in DEFAULT_BACKENDS)
 TOKENIZER_WORDS = 32000  # word ids 0..31999; the end-of-text token comes after them

@@ -988,6 +988,8 @@ def parse_args(argv):
         p.error(f"--rate {args.rate}: must be > 0")
     if any(k < 1 or k > 8 for k in args.spec_tokens):
         p.error(f"--spec-tokens {args.spec_tokens}: each must be in 1..8")
+    if "flashqla-fault" in args.backends and args.engine != "vllm":
+        p.error("flashqla-fault: the fault is installed by vLLM's qla_dummy load format only")
     if args.spec_method == "ngram" and args.engine != "vllm":
         p.error("--spec-method ngram: vLLM's proposer only (SGLang's speculative servers run NEXTN)")
     i, _, n = args.oracle_shard.partition("/")

@@ -7,7 +7,8 @@ runs vLLM's dummy loader, then re-draws ``A_log`` and ``dt_bias`` of every GDN l
 seeded by the module name, so every backend's server holds the same weights. With
 ``QLA_BENCH_WEIGHTS=random`` it first re-draws every other weight as well
 (:func:`qla_serving.bench.weights.init_random_weights`: dummy weights' greedy tokens are one token
-repeated). The serving
+repeated); with ``QLA_BENCH_FAULT`` it installs that state fault (:mod:`qla_serving.bench.faults`,
+the stress harness's positive control). The serving
 benchmark (``e2e_bench/serve.py``) starts ``vllm serve`` with it; registered by the plugin.
 """
 
@@ -25,6 +26,7 @@ def register_loader() -> None:
     from vllm.model_executor import model_loader
     from vllm.model_executor.model_loader import dummy_loader
 
+    from qla_serving.bench.faults import install_vllm_fault, requested_fault
     from qla_serving.bench.gates import init_gdn_gates
     from qla_serving.bench.weights import init_requested_weights
 
@@ -40,5 +42,8 @@ def register_loader() -> None:
                 logger.info("qla-serving: %s with %s", LOAD_FORMAT, drawn)
             layers = init_gdn_gates(model)
             logger.info("qla-serving: %s: re-drew the gates of %d GDN layers", LOAD_FORMAT, layers)
+            if fault := requested_fault():
+                logger.warning("qla-serving: benchmark fault injected (%s): %s", "QLA_BENCH_FAULT",
+                               install_vllm_fault(fault))
 
     model_loader.register_model_loader(LOAD_FORMAT)(GdnGatesDummyLoader)

@@ -195,3 +195,41 @@ def test_speculative_verify_reads_the_accepted_slot_and_fills_every_position(fla
             assert (got - states_ref[i, t]).abs().max() <= 2e-2 * states_ref[i, t].abs().max() + 1e-3, (i, t)
     others = [s for s in range(NUM_SLOTS) if s not in slots.flatten().tolist()]
     assert torch.equal(ssm_state[others], before[others])
+
+
+def test_the_benchmark_fault_swaps_two_decode_rows_states(flashqla_config, distributed, monkeypatch):
+    """QLA_BENCH_FAULT=swap-decode-slots (the stress harness's positive control): in a decode step of
+    two requests each one's recurrence runs on the other's state slot; a request alone is
+    unaffected. (The two slots' conv windows are made equal, so the faulted step must equal the
+    correct step with the slots given the other way round, bit for bit.)"""
+    from qla_serving.bench import faults
+    from qla_serving.integrations.vllm.layer import QlaGatedDeltaNetAttention
+
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(QlaGatedDeltaNetAttention, "_qla_decode", QlaGatedDeltaNetAttention._qla_decode)
+    monkeypatch.setattr(QlaGatedDeltaNetAttention, "_qla_fault", None, raising=False)
+    layer, _ = fresh_layer(flashqla_config)
+    conv_state, ssm_state = layer.kv_cache
+    conv_state[7] = conv_state[3]
+    before = tuple(t.clone() for t in layer.kv_cache)
+    H, HV, K, V = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    dt = flashqla_config.model_config.dtype
+    x = torch.randn(2, 2 * H * K + HV * V).to(dt)
+    a, b = torch.randn(2, HV).to(dt), torch.randn(2, HV).to(dt)
+
+    def step(slots):
+        for t, saved in zip(layer.kv_cache, before):
+            t.copy_(saved)
+        n = len(slots)
+        out, _ = run_step(layer, flashqla_config, [1] * n, [9] * n, slots, x[:n].clone(), a[:n], b[:n])
+        return out, ssm_state.clone()
+
+    right, right_states = step([3, 7])
+    right_swapped, swapped_states = step([7, 3])
+    right_alone, alone_states = step([3])
+    faults.install_vllm_fault("swap-decode-slots")
+    faulty, faulty_states = step([3, 7])
+    assert torch.equal(faulty, right_swapped) and torch.equal(faulty_states, swapped_states)
+    assert not torch.equal(faulty, right)
+    faulty_alone, faulty_alone_states = step([3])
+    assert torch.equal(faulty_alone, right_alone) and torch.equal(faulty_alone_states, alone_states)
