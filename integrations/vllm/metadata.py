@@ -13,6 +13,7 @@ which is how vLLM picks this builder: a registration seam, no patch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ from vllm.v1.attention.backends.gdn_attn import (
 from qla_serving.plan import PrefillPlan, plan_prefill
 
 from .args import flashqla_requested
+
+logger = logging.getLogger("vllm.qla_serving")
 
 
 @dataclass
@@ -155,7 +158,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         # Speculative servers: the runner's per-request accepted counts (a persistent buffer,
         # handed to the builder only on steps with drafts), whether the last step had drafts,
         # and constant rows for the one-token conv of steps without.
-        self.qla_accepted: torch.Tensor | None = None
+        self.qla_accepted: torch.Tensor | None | bool = None  # False: this vLLM passes no view of it
         self.qla_last_step_had_drafts = False
         self._qla_capturing = False
         if self.num_spec > 0 and self.qla_requested:
@@ -219,15 +222,24 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         :class:`QlaGDNAttentionMetadata`), and the conv rows of its one-token rows."""
         if self._qla_capturing:
             return
-        if num_accepted_tokens is not None:
-            base = num_accepted_tokens._base  # the runner's buffer, of which vLLM passes a slice
-            self.qla_accepted = base if base is not None else num_accepted_tokens
+        if num_accepted_tokens is not None and self.qla_accepted is None:
+            # the runner's buffer, of which vLLM passes a slice; a tensor that is no view may be a
+            # temporary, unreadable on a later step (rows without drafts then read column 0, as
+            # vLLM's own kernels do)
+            self.qla_accepted = num_accepted_tokens._base
+            if self.qla_accepted is None:
+                logger.warning("qla-serving: this vLLM hands the GDN builder accepted-token counts that are not "
+                               "a view of the runner's buffer; rows without drafts after accepted drafts read "
+                               "block-table column 0, as vLLM's own GDN kernels do")
+                self.qla_accepted = False
         had_drafts = self.qla_last_step_had_drafts
         self.qla_last_step_had_drafts = md.spec_sequence_masks is not None
         if md.spec_sequence_masks is None and md.num_decodes > 0 and md.num_prefills == 0:
             md.qla_decode_accepted, md.qla_decode_query_start_loc = self.qla_ones, self.qla_arange
-        if not had_drafts or self.qla_accepted is None:
+        if not had_drafts or not isinstance(self.qla_accepted, torch.Tensor):
             return  # every state is in column 0: the last step accepted at most its one token
+        if md.spec_sequence_masks is not None and md.num_prefills == 0 and md.num_decodes == 0:
+            return  # every row has drafts
         lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff().tolist()
         spec = ([False] * m.num_reqs if md.spec_sequence_masks is None
                 else self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)[: m.num_reqs].tolist())

@@ -158,6 +158,19 @@ def test_resume_is_planned_only_after_a_step_with_drafts(ngram_config):
     assert md.qla_resume_src.tolist() == [3, 4] and md.qla_resume_dst.tolist() == [1, 4]
 
 
+def test_accepted_counts_that_are_no_view_are_not_kept(ngram_config, caplog):
+    """A vLLM that hands the builder a temporary (no view of the runner's buffer) cannot be read on
+    a later step: the builder says so once and plans no state move (vLLM's own behaviour)."""
+    layer = build_gdn_layer(ngram_config)
+    builder = metadata_builder(layer, ngram_config)
+    table = [[1, 2, 3], [4, 5, 6]]
+    with caplog.at_level("WARNING", logger="vllm.qla_serving"):
+        builder.build(0, common_metadata([3, 3], [5, 5], table), num_accepted_tokens=torch.tensor([2, 3]),
+                      num_decode_draft_tokens_cpu=torch.tensor([2, 2], dtype=torch.int32))
+    assert builder.qla_accepted is False and "not a view" in caplog.text
+    assert builder.build(0, common_metadata([1, 1], [8, 8], table)).qla_resume_src is None
+
+
 @pytest.mark.gpu
 def test_ngram_steps_on_the_gpu(ngram_config, monkeypatch):
     run_ngram_steps(ngram_config, monkeypatch, "cuda")
