@@ -317,17 +317,18 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def _qla_conv_decode(self, x, conv_state, md):
         """One-token conv update of every decode row."""
         idx = md.non_spec_state_indices_tensor[: md.num_actual_tokens]
-        if getattr(md, "qla_decode_accepted", None) is not None:
-            # a speculative server: the conv state has room for drafts, and its window starts at
-            # the accepted offset (0 here), which only vLLM's speculative update keeps
-            N = idx.shape[0]
-            return self._qla_conv_update_spec(x[:N], conv_state, idx, md.qla_decode_accepted[:N],
-                                              md.qla_decode_query_start_loc[: N + 1])
         if x.is_cuda:
             from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 
             return causal_conv1d_update(x, conv_state, self._conv_weights(), self.conv1d.bias, self.activation,
                                         conv_state_indices=idx, validate_data=True)
+        if self.qla_num_spec:
+            # vLLM's PyTorch update keeps the newest columns of a conv state with room for drafts,
+            # its CUDA kernels (and the prefill) the window at offset 0: the CPU path keeps the latter
+            N = idx.shape[0]
+            return conv_update_spec_torch(x[:N], conv_state, self._conv_weights(), self.conv1d.bias,
+                                          self.activation, idx, torch.ones(N, dtype=torch.int32),
+                                          torch.arange(N + 1, dtype=torch.int32))
         from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_torch
 
         rows = idx.long()

@@ -57,11 +57,6 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
         qla_resume_dst: ``[R]`` int64 — column 0 of the same rows.
         qla_resume_conv_cols: ``[R, 1, W - 1]`` int64 — the conv window of each such row, columns
             ``num_accepted - 1 ..`` of its conv state, which move to columns ``0 .. W - 2``.
-        qla_decode_accepted: int32 ones and ``qla_decode_query_start_loc`` int32 ``0, 1, 2, ..``
-            (the layer takes as many as the step has rows), set on steps of one-token rows only:
-            their conv runs vLLM's speculative update, whose window layout the speculative rows
-            share (vLLM's one-token update appends past the window when the conv state has
-            room for drafts).
         qla_spec_gather: ``[rows * T]`` int64 — for drafts of unequal length (``ngram``), the
             speculative token behind each of ``T = num_spec + 1`` positions per row (a short
             row repeats its last token); None when every row has ``T`` tokens.
@@ -79,8 +74,6 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
     qla_resume_src: torch.Tensor | None = None
     qla_resume_dst: torch.Tensor | None = None
     qla_resume_conv_cols: torch.Tensor | None = None
-    qla_decode_accepted: torch.Tensor | None = None
-    qla_decode_query_start_loc: torch.Tensor | None = None
     qla_spec_gather: torch.Tensor | None = None
     qla_spec_write: torch.Tensor | None = None
     qla_spec_keep: torch.Tensor | None = None
@@ -156,16 +149,11 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self.qla_requested = flashqla_requested(vllm_config)
         self.qla_num_v_heads = _value_heads(kv_cache_spec)
         # Speculative servers: the runner's per-request accepted counts (a persistent buffer,
-        # handed to the builder only on steps with drafts), whether the last step had drafts,
-        # and constant rows for the one-token conv of steps without.
+        # handed to the builder only on steps with drafts) and whether the last step had drafts.
         self.qla_accepted: torch.Tensor | None | bool = None  # False: this vLLM passes no view of it
         self.qla_last_step_had_drafts = False
         self._qla_capturing = False
-        if self.num_spec > 0 and self.qla_requested:
-            self.qla_conv_width = int(vllm_config.model_config.hf_text_config.linear_conv_kernel_dim)
-            rows = max(getattr(self, "decode_cudagraph_max_bs", 0), vllm_config.scheduler_config.max_num_seqs)
-            self.qla_ones = torch.ones(rows, dtype=torch.int32, device=device)
-            self.qla_arange = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.qla_conv_width = int(getattr(vllm_config.model_config.hf_text_config, "linear_conv_kernel_dim", 4))
 
     def build(  # type: ignore[override]
         self,
@@ -218,8 +206,8 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         md.qla_spec_write = torch.where(_to_device(valid, torch.bool, dev), slots, VLLM_NULL_BLOCK_ID)
 
     def _attach_resume(self, md: QlaGDNAttentionMetadata, m, num_accepted_tokens, num_decode_draft_tokens_cpu):
-        """Where each row without drafts finds its state, on a speculative server (see
-        :class:`QlaGDNAttentionMetadata`), and the conv rows of its one-token rows."""
+        """Where each one-token row without drafts finds its state, on a speculative server (see
+        :class:`QlaGDNAttentionMetadata`)."""
         if self._qla_capturing:
             return
         if num_accepted_tokens is not None and self.qla_accepted is None:
@@ -234,8 +222,6 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                 self.qla_accepted = False
         had_drafts = self.qla_last_step_had_drafts
         self.qla_last_step_had_drafts = md.spec_sequence_masks is not None
-        if md.spec_sequence_masks is None and md.num_decodes > 0 and md.num_prefills == 0:
-            md.qla_decode_accepted, md.qla_decode_query_start_loc = self.qla_ones, self.qla_arange
         if not had_drafts or not isinstance(self.qla_accepted, torch.Tensor):
             return  # every state is in column 0: the last step accepted at most its one token
         if md.spec_sequence_masks is not None and md.num_prefills == 0 and md.num_decodes == 0:
@@ -250,7 +236,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             return
         dev = m.query_start_loc.device
         table = gdn_attn.mamba_get_block_table_tensor(m.block_table_tensor, m.seq_lens, self.kv_cache_spec,
-                                             self.vllm_config.cache_config.mamba_cache_mode)
+                                                      self.vllm_config.cache_config.mamba_cache_mode)
         idx = _to_device(rows, torch.int64, dev)
         table = table.index_select(0, idx)[:, : self.num_spec + 1].long()
         col = (self.qla_accepted.index_select(0, idx).long() - 1).clamp_(0, self.num_spec)

@@ -3,8 +3,8 @@
 An ``ngram`` proposer drafts up to ``num_speculative_tokens`` per request and may draft none, so
 one step mixes rows with drafts of unequal length and rows without, and a step without drafts
 can follow one that accepted several. vLLM's metadata reads a row without drafts from
-block-table column 0, while the state after an accepted draft sits in column ``accepted - 1``,
-and its one-token conv update appends past the window the speculative rows read (vLLM #39273).
+block-table column 0, while the state after an accepted draft sits in column ``accepted - 1``
+(vLLM #39273).
 The layer must carry every request's state through all of that: each step's output, token by
 token, equals the float64 recurrence (conv, gate, delta rule) over the tokens the request has
 accepted so far followed by this step's tokens.
@@ -139,7 +139,7 @@ def test_resume_is_planned_only_after_a_step_with_drafts(ngram_config):
     acc = torch.tensor([3, 1, 2, 1], dtype=torch.int32)
     table = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     md = builder.build(0, common_metadata([1, 1, 1], [5, 5, 5], table))
-    assert md.qla_resume_src is None and md.qla_decode_accepted is not None
+    assert md.qla_resume_src is None
     md = builder.build(0, common_metadata([3, 2, 1], [5, 5, 5], table), num_accepted_tokens=acc[:3],
                        num_decode_draft_tokens_cpu=torch.tensor([2, 1, -1], dtype=torch.int32))
     assert md.qla_resume_src is None  # the step before had no drafts
