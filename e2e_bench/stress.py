@@ -480,14 +480,15 @@ def spec_args(engine: str, model_type: str, k: int, method: str = "mtp") -> list
     ``Qwen3NextForCausalLMMTP`` (one MTP layer; ``--load-format dummy`` applies to it too);
     ``k`` steps of a linear chain verify ``k + 1`` tokens.
 
-    ``ngram`` (vLLM): drafts of up to ``k`` tokens looked up in the request's own tokens, none
-    when no n-gram of 2 to 4 tokens recurs, so steps mix rows with drafts of every length and
-    rows without, and a row without drafts often follows one that accepted several."""
+    ``ngram`` (vLLM): drafts of up to ``k`` tokens looked up in the request's own tokens (the
+    tokens after an earlier occurrence of its last 1 to 4), none when they do not recur, so steps
+    mix rows with drafts of every length and rows without. (On the benchmark's random prompts a
+    single token recurs often enough to draft; whether a draft is accepted is the model's.)"""
     if method == "ngram":
         if engine != "vllm":
             raise ValueError("--spec-method ngram: vLLM's proposer; SGLang's speculative servers run NEXTN")
         return ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": k,
-                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
+                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 4})]
     if engine == "vllm":
         method = "qwen3_next_mtp" if model_type == "qwen3_next" else "mtp"
         return ["--speculative-config", json.dumps({"method": method, "num_speculative_tokens": k})]

@@ -302,7 +302,7 @@ def test_spec_server_arguments():
     with pytest.raises(SystemExit):
         stress.parse_args(["--engine", "vllm", "--spec-tokens", "9"])
     assert json.loads(stress.spec_args("vllm", "qwen3_next", 3, "ngram")[1]) == {
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     assert stress.spec_tag("ngram", 3) == "ngram3" and stress.spec_tag("mtp", 3) == "spec3"
     with pytest.raises(SystemExit):
         stress.parse_args(["--engine", "sglang", "--spec-method", "ngram"])
