@@ -392,9 +392,10 @@ def parse_metrics(text: str, engine: str = "vllm") -> dict[str, float]:
 def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> dict:
     """Agreement of ``got`` with ``oracle`` over the request ids both completed; where both carry
     logprobs (``--logprobs``), also how far apart in probability (``agreement.logprob_agreement``):
-    the largest logprob drift over the tokens they share (median and max over requests), and how
-    many of the divergences were not near ties (a gap of ``TIE_NATS`` or more)."""
-    before, early, compared, answers, drifts, gaps = [], 0, 0, [], [], []
+    the largest logprob drift over the tokens they share (median and max over requests), how
+    many of the divergences were not near ties (a gap of ``TIE_NATS`` or more), and each request's
+    numbers (``per_request``: tokens agreeing, drift, gap or "outside top")."""
+    before, early, compared, answers, drifts, gaps, detail = [], 0, 0, [], [], [], {}
     for rid_ in ids_:
         o_res, g_res = oracle.get(rid_) or {}, got.get(rid_) or {}
         o, g = o_res.get("tokens"), g_res.get("tokens")
@@ -411,6 +412,9 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> d
             drifts.append(lp["drift"])
             if lp["gap"] is not None:
                 gaps.append(lp["gap"])
+            detail[rid_] = {"agreeing": n, "drift": round(lp["drift"], 4),
+                            "gap": None if lp["gap"] is None else (round(lp["gap"], 4) if math.isfinite(lp["gap"])
+                                                                   else "outside top")}
     row = {"compared": compared, "mean_tokens_before_divergence": (sum(before) / len(before)) if before else None,
            "diverged_within_16": early, "oracle_distinct_tokens": distinct_tokens(answers)}
     if drifts:
@@ -418,7 +422,8 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> d
         row.update(logprob_compared=len(drifts), logprob_drift_median=drifts[len(drifts) // 2],
                    logprob_drift_max=drifts[-1], divergences=len(gaps),
                    divergences_not_near_tie=sum(gap >= TIE_NATS for gap in gaps),
-                   divergence_gap_median=sorted(gaps)[len(gaps) // 2] if gaps else None)
+                   divergence_gap_median=sorted(gaps)[len(gaps) // 2] if gaps else None,
+                   per_request=detail)
     return row
 
 
@@ -817,7 +822,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 for row in rows:
                     row["server_metrics"] = m
                     serve.log(f"{backend} {row['scenario']}: "
-                              f"{json.dumps({k: v for k, v in row.items() if k != 'requests'})}")
+                              f"{json.dumps({k: v for k, v in row.items() if k not in ('requests', 'per_request')})}")
                 save_part(work, key, backend, "stress", rows, info("stress", srv))
             finally:
                 srv.stop()
@@ -854,7 +859,8 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             orc = the_oracle()
             for tag, fields, reqs, got, tag_info in measured:
                 row = spec_row(s.engine, fields, reqs, got, orc)
-                serve.log(f"{backend} {fields['scenario']}: {json.dumps(row)}")
+                serve.log(f"{backend} {fields['scenario']}: "
+                          f"{json.dumps({k: v for k, v in row.items() if k != 'per_request'})}")
                 save_part(work, key, backend, tag, [row], tag_info)
     return problems
 

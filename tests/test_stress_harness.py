@@ -147,6 +147,8 @@ def test_compare_in_probability_tells_near_ties_from_clear_divergences():
     assert r["divergences_not_near_tie"] == 1  # b: its server had no 6 in its top tokens
     assert abs(r["logprob_drift_max"] - 0.02) < 1e-9
     assert stress.logprob_cells(r) == "0.020 / 0.020 | 1 of 2"
+    assert r["per_request"] == {"a": {"agreeing": 2, "drift": 0.02, "gap": 0.05},
+                                "b": {"agreeing": 1, "drift": 0.0, "gap": "outside top"}}
     # answers without logprobs (an earlier oracle) are compared in tokens only
     assert "logprob_drift_max" not in stress.compare({"a": {"tokens": toks}}, got, ["a"])
 
