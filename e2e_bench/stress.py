@@ -471,12 +471,14 @@ def metrics_args(engine: str) -> list[str]:
     return ["--enable-metrics"] if engine == "sglang" else []
 
 
-SPEC_METHODS = ("mtp", "ngram")
+# a speculative server's name by proposer: its tag is the name and k (``spec2``, ``ngram2``), its
+# rows' scenario the name, a dash and k (``spec-2``)
+SPEC_NAMES = {"mtp": "spec", "ngram": "ngram"}
+SPEC_METHODS = tuple(SPEC_NAMES)
 
 
 def spec_tag(method: str, k: int) -> str:
-    """A speculative server's tag (``spec2``, ``ngram2``); its rows' scenario is ``spec-2`` / ``ngram-2``."""
-    return f"{'spec' if method == 'mtp' else 'ngram'}{k}"
+    return f"{SPEC_NAMES[method]}{k}"
 
 
 def spec_args(engine: str, model_type: str, k: int, method: str = "mtp") -> list[str]:
@@ -605,9 +607,10 @@ def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
         for path in work.glob(f"rows-{backend}-*.json"):
             if (saved := saved_for(path, key)) is not None:
                 part = path.stem[len(f"rows-{backend}-"):]
-                spec = re.fullmatch(r"(spec|ngram)(\d+)", part)
+                spec = re.fullmatch(rf"({'|'.join(SPEC_NAMES.values())})(\d+)", part)
+                names = list(SPEC_NAMES.values())
                 order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (
-                    (2 + (spec[1] == "ngram"), int(spec[2])) if spec else (4, 0))
+                    (2 + names.index(spec[1]), int(spec[2])) if spec else (2 + len(names), 0))
                 found.append((order, {"backend": backend, "part": part, **saved}))
     return [p for _, p in sorted(found, key=lambda t: (list(backends).index(t[1]["backend"]), t[0]))]
 
@@ -845,7 +848,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 crashed = srv.crashed()
                 if crashed:
                     serve.log(f"server {backend} {tag} died:\n{serve.tail(srv.log_path)}")
-                fields = {"backend": backend, "scenario": f"{tag[:-len(str(k))]}-{k}", "crashed": crashed,
+                fields = {"backend": backend, "scenario": f"{SPEC_NAMES[args.spec_method]}-{k}", "crashed": crashed,
                           "server_metrics": {} if crashed else metrics()}
                 measured.append((tag, fields, reqs, got, info(tag, srv)))
                 early = spec_row(s.engine, fields, reqs, got, oracle)
@@ -911,7 +914,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{r['failed_clean']} | {r['failed_other']} | {r['crashed']} | {r['compared']} | "
                      f"{'—' if mean is None else f'{mean:.1f}'} | {r['diverged_within_16']} | "
                      f"{m.get('preemptions', '—')} | {m.get('prefix_cache_hits', '—')} | "
-                     f"{drafts_accepted(m) if r['scenario'].startswith(('spec', 'ngram')) else ''} | "
+                     f"{drafts_accepted(m) if r['scenario'].startswith(tuple(SPEC_NAMES.values())) else ''} | "
                      f"{r.get('oracle_distinct_tokens') if r.get('oracle_distinct_tokens') is not None else '—'} | "
                      f"{logprob_cells(r)} |")
     lines += ["", ("Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"

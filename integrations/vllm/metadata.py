@@ -169,17 +169,19 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             return md
         fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
         out = QlaGDNAttentionMetadata(**fields)
+        m = common_attn_metadata
+        # host: which rows have drafts (None: none has), read once for the helpers below
+        spec_mask = (None if md.spec_sequence_masks is None
+                     else self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)[: m.num_reqs])
         if md.num_prefills > 0:
-            self._attach_plan(out, common_attn_metadata, num_decode_draft_tokens_cpu)
-        if md.spec_sequence_masks is not None:
-            m = common_attn_metadata
-            mask = self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)
-            lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff()[mask[: m.num_reqs]]
+            self._attach_plan(out, m, spec_mask)
+        if spec_mask is not None:
+            lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff()[spec_mask]
             out.qla_spec_uniform = bool((lens == self.num_spec + 1).all())
             if not out.qla_spec_uniform:
                 self._attach_spec_padding(out, lens.tolist())
         if self.num_spec > 0:
-            self._attach_resume(out, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu)
+            self._attach_resume(out, m, num_accepted_tokens, spec_mask)
         return out
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
@@ -205,7 +207,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         slots = md.spec_state_indices_tensor[: len(lens)].reshape(-1).long()
         md.qla_spec_write = torch.where(_to_device(valid, torch.bool, dev), slots, VLLM_NULL_BLOCK_ID)
 
-    def _attach_resume(self, md: QlaGDNAttentionMetadata, m, num_accepted_tokens, num_decode_draft_tokens_cpu):
+    def _attach_resume(self, md: QlaGDNAttentionMetadata, m, num_accepted_tokens, spec_mask) -> None:
         """Where each one-token row without drafts finds its state, on a speculative server (see
         :class:`QlaGDNAttentionMetadata`)."""
         if self._qla_capturing:
@@ -227,8 +229,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         if md.spec_sequence_masks is not None and md.num_prefills == 0 and md.num_decodes == 0:
             return  # every row has drafts
         lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff().tolist()
-        spec = ([False] * m.num_reqs if md.spec_sequence_masks is None
-                else self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)[: m.num_reqs].tolist())
+        spec = [False] * m.num_reqs if spec_mask is None else spec_mask.tolist()
         # one-token rows only: a row that had drafts and has none now runs one token; a longer row
         # without drafts is a prefill chunk, after which the runner counts one accepted token
         rows = [i for i, (n, s) in enumerate(zip(lens, spec)) if n == 1 and not s]
@@ -252,11 +253,8 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             mask = num_decode_draft_tokens_cpu >= 0  # what vLLM derives it from
         return mask
 
-    def _attach_plan(self, md: QlaGDNAttentionMetadata, m, num_decode_draft_tokens_cpu) -> None:
-        spec_mask_cpu = None
-        if md.spec_sequence_masks is not None:
-            spec_mask_cpu = self._spec_mask_cpu(md, num_decode_draft_tokens_cpu)
-        lens = prefill_query_lens_cpu(m.query_start_loc_cpu, m.num_reqs, md.num_decodes, spec_mask_cpu)
+    def _attach_plan(self, md: QlaGDNAttentionMetadata, m, spec_mask) -> None:
+        lens = prefill_query_lens_cpu(m.query_start_loc_cpu, m.num_reqs, md.num_decodes, spec_mask)
         if sum(lens) != md.num_prefill_tokens:
             raise RuntimeError(
                 f"qla-serving: the prefill rows derived from vLLM's metadata hold {sum(lens)} tokens "
@@ -275,7 +273,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             # Zero-length rows (padding) own no tokens; dropping them keeps every planned
             # sequence on a distinct, real slot.
             keep = [i for i, L in enumerate(lens) if L > 0]
-            rows = torch.tensor(keep, dtype=torch.int64).to(state_indices.device, non_blocking=True)
+            rows = _to_device(keep, torch.int64, state_indices.device)
             state_indices = state_indices.index_select(0, rows)
             has_initial = has_initial.index_select(0, rows)
             lens = [L for L in lens if L > 0]
