@@ -24,7 +24,8 @@
 # stress-split (the reliability harness's servers side by side: QLA_STRESS_SPLIT="GPUS:BACKEND:PHASE[:K,K...|:I/N] ...",
 # GPUS one GPU or a comma-separated group for --tp > 1, PHASE stress (its backend's oracle first, then the
 # stress server), oracle (the oracle alone; oracle:I/N its I-th of N shards, N such slots side by side),
-# or spec (the K speculative servers, comparing once the stress run's oracle is there),
+# or spec (the K speculative servers, comparing once the stress run's oracle is there; spec:METHOD:K,K...
+# names the slot's proposer, mtp or ngram, over --spec-method),
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz; with QLA_DOCKERFILE=docker/Dockerfile.vllm the wheel goes in by that
@@ -97,6 +98,9 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
     else
       IFS=: read -r phase ks <<<"$rest"
       extra=(--phase "$phase") out=/tmp/$prefix-out-$i log=/tmp/$prefix-${gpus//,/-}-$backend-$phase.log
+      if [[ $phase == spec && $ks == *:* ]]; then  # spec:METHOD:K,K...: this slot's proposer (mtp, ngram)
+        extra+=(--spec-method "${ks%%:*}") ks=${ks#*:} log=${log%.log}-${extra[-1]}.log
+      fi
       [[ $phase != spec ]] || extra+=(--spec-tokens ${ks//,/ } --wait-oracle 900)
       [[ $phase != oracle || -z $ks ]] || extra+=(--oracle-shard "$ks")
     fi
