@@ -603,14 +603,16 @@ def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
     """Every part saved in ``work`` for ``key``: a failed oracle, the stress server, then MTP and
     ngram servers by k."""
     found = []
+    names = list(SPEC_NAMES.values())
     for backend in backends:
         for path in work.glob(f"rows-{backend}-*.json"):
+            part = path.stem[len(f"rows-{backend}-"):]
+            spec = re.fullmatch(rf"({'|'.join(names)})(\d+)", part)
+            # (rows-flashqla-fault-stress.json is flashqla-fault's stress, not a part of flashqla)
+            if part not in ("oracle", "stress") and not spec:
+                continue
             if (saved := saved_for(path, key)) is not None:
-                part = path.stem[len(f"rows-{backend}-"):]
-                spec = re.fullmatch(rf"({'|'.join(SPEC_NAMES.values())})(\d+)", part)
-                names = list(SPEC_NAMES.values())
-                order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (
-                    (2 + names.index(spec[1]), int(spec[2])) if spec else (2 + len(names), 0))
+                order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (2 + names.index(spec[1]), int(spec[2]))
                 found.append((order, {"backend": backend, "part": part, **saved}))
     return [p for _, p in sorted(found, key=lambda t: (list(backends).index(t[1]["backend"]), t[0]))]
 

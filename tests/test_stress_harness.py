@@ -775,3 +775,16 @@ def test_oracle_shard_is_checked():
             stress.parse_args([*base, "--oracle-shard", bad])
     with pytest.raises(SystemExit):  # a stress run reads the merged oracle; it makes none in shards
         stress.parse_args(["--engine", "vllm", "--phase", "stress", "--oracle-shard", "1/2"])
+
+
+def test_a_backend_whose_name_extends_another_keeps_its_own_parts(tmp_path):
+    """``flashqla-fault``'s saved parts (``rows-flashqla-fault-stress.json``) are its own: collecting
+    ``flashqla`` beside it lists each part once, under the backend that ran it."""
+    key = "k"
+    for backend, part in [("flashqla", "stress"), ("flashqla", "spec2"), ("flashqla", "ngram4"),
+                          ("flashqla-fault", "stress"), ("default", "stress")]:
+        stress.save_part(tmp_path, key, backend, part, [{"backend": backend, "scenario": part}], {})
+    parts = stress.load_parts(tmp_path, key, ["flashqla", "flashqla-fault", "default"])
+    assert [(p["backend"], p["part"]) for p in parts] == [
+        ("flashqla", "stress"), ("flashqla", "spec2"), ("flashqla", "ngram4"),
+        ("flashqla-fault", "stress"), ("default", "stress")]
