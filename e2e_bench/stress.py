@@ -59,6 +59,12 @@ import time
 from . import serve
 from .agreement import TIE_NATS, agreeing_prefix, distinct_tokens, logprob_agreement
 
+#: --forced: the stress server's logits processor and the request key it reads
+#: (qla_serving.integrations.vllm.forced's LOGITS_PROCESSOR and FORCED_KEY; the harness runs where
+#: only the engine imports qla_serving)
+FORCED_PROCESSOR = "qla_serving.integrations.vllm.forced:ForcedTokens"
+FORCED_KEY = "qla_forced_tokens"
+
 SCENARIOS = ("bad", "abort", "load", "prefix")
 PHASES = ("all", "oracle", "stress", "spec")
 EARLY = 16  # a divergence within a request's first EARLY tokens counts as early
@@ -236,6 +242,8 @@ def completion_body(engine: str, req: dict, stream: bool = False, logprobs: int 
                 "ignore_eos": True, "return_token_ids": True, "stream": stream}
         if logprobs and not stream:
             body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
+        if req.get("forced") is not None:  # --forced: the answer is these tokens
+            body["vllm_xargs"] = {FORCED_KEY: req["forced"]}
         return request_path(engine), json.dumps(body).encode()
     body = {"input_ids": req["prompt"], "stream": stream, "sampling_params": {
         "max_new_tokens": req["max_tokens"], "temperature": 0, "ignore_eos": True}}
@@ -392,10 +400,12 @@ def parse_metrics(text: str, engine: str = "vllm") -> dict[str, float]:
 def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> dict:
     """Agreement of ``got`` with ``oracle`` over the request ids both completed; where both carry
     logprobs (``--logprobs``), also how far apart in probability (``agreement.logprob_agreement``):
-    the largest logprob drift over the tokens they share (median and max over requests), how
-    many of the divergences were not near ties (a gap of ``TIE_NATS`` or more), and each request's
-    numbers (``per_request``: tokens agreeing, drift, gap or "outside top")."""
-    before, early, compared, answers, drifts, gaps, detail = [], 0, 0, [], [], [], {}
+    the largest logprob drift over the tokens they share (median and max over requests, and how
+    many requests drifted ``TIE_NATS`` or more), how many of the divergences were not near ties (a
+    gap of ``TIE_NATS`` or more), and each request's numbers (``per_request``: tokens agreeing,
+    drift, gap or "outside top"). ``identical``: answers equal to the oracle's throughout (with
+    ``--forced``, every compared one unless the forcing failed)."""
+    before, early, compared, answers, drifts, gaps, detail, identical = [], 0, 0, [], [], [], {}, 0
     for rid_ in ids_:
         o_res, g_res = oracle.get(rid_) or {}, got.get(rid_) or {}
         o, g = o_res.get("tokens"), g_res.get("tokens")
@@ -405,6 +415,7 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> d
         answers.append(o)
         n = agreeing_prefix(o, g)
         before.append(n)
+        identical += n == len(o) == len(g)
         if n < min(EARLY, len(o)):
             early += 1
         lp = logprob_agreement(o, o_res.get("logprobs"), g, g_res.get("logprobs"))
@@ -416,11 +427,12 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> d
                             "gap": None if lp["gap"] is None else (round(lp["gap"], 4) if math.isfinite(lp["gap"])
                                                                    else "outside top")}
     row = {"compared": compared, "mean_tokens_before_divergence": (sum(before) / len(before)) if before else None,
-           "diverged_within_16": early, "oracle_distinct_tokens": distinct_tokens(answers)}
+           "diverged_within_16": early, "identical": identical, "oracle_distinct_tokens": distinct_tokens(answers)}
     if drifts:
         drifts.sort()
         row.update(logprob_compared=len(drifts), logprob_drift_median=drifts[len(drifts) // 2],
-                   logprob_drift_max=drifts[-1], divergences=len(gaps),
+                   logprob_drift_max=drifts[-1], logprob_drift_over_tie=sum(d >= TIE_NATS for d in drifts),
+                   divergences=len(gaps),
                    divergences_not_near_tie=sum(gap >= TIE_NATS for gap in gaps),
                    divergence_gap_median=sorted(gaps)[len(gaps) // 2] if gaps else None,
                    per_request=detail)
@@ -509,6 +521,8 @@ def server_commands(s: serve.Setup, backend: str, args, model_type: str) -> dict
     servers' own arguments; ``--server-arg`` comes last and wins)."""
     e = s.engine
     stress = (cache_args(e, backend) if "prefix" in args.scenarios else []) + metrics_args(e)
+    if args.forced:
+        stress += ["--logits-processors", FORCED_PROCESSOR]
     cmds = {"oracle": serve.server_command(s, backend, oracle_args(e) + args.server_arg),
             "stress": serve.server_command(s, backend, stress + args.server_arg)}
     for k in args.spec_tokens:
@@ -758,7 +772,15 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 time.sleep(5)
         return oracle
 
-    if args.phase in ("all", "stress"):
+    forcing = None
+    if args.phase in ("all", "stress") and args.forced:
+        forcing = the_oracle()
+        if forcing is None:
+            row = {"backend": backend, "scenario": "stress", "error": "--forced: no oracle answers to force"}
+            problems.append(row)
+            save_part(work, key, backend, "stress", [row], {})
+
+    if args.phase in ("all", "stress") and (forcing is not None or not args.forced):
         srv = start("stress")
         if srv is not None:
             # every scenario's row in order; the request scenarios' answers are scored against the
@@ -794,7 +816,8 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                   f"served after {rows[-1]['served_after']}")
                     else:
                         concurrent = scenario != "prefix"
-                        got = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent,
+                        reqs = forced_requests(plan[scenario], forcing)
+                        got = asyncio.run(run_requests(s.engine, s.port, reqs, concurrent,
                                                        deadline=budget.deadline(), logprobs=args.logprobs))
                         rows.append({"scenario": scenario, "crashed": srv.crashed(),
                                      "seconds": round(time.monotonic() - t0, 1)})
@@ -806,7 +829,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                       "max_tokens": 1} for i in range(args.flood)]
                             asyncio.run(run_requests(s.engine, s.port, flood, concurrent=True,
                                                      deadline=budget.deadline()))
-                            again = asyncio.run(run_requests(s.engine, s.port, plan[scenario], concurrent=True,
+                            again = asyncio.run(run_requests(s.engine, s.port, reqs, concurrent=True,
                                                              deadline=budget.deadline(), logprobs=args.logprobs))
                             rows.append({"scenario": "prefix-after-eviction", "crashed": srv.crashed(),
                                          "seconds": round(time.monotonic() - t0, 1)})
@@ -824,6 +847,8 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                     # the summary's own scenario name gives way to the row's (prefix-after-eviction)
                     row.update({**compared(summarize(s.engine, plan, orc or {}, got, scenario), orc), **row,
                                 "backend": backend})
+                    if forcing is not None:
+                        row["forced"] = True
                 for row in rows:
                     row["server_metrics"] = m
                     serve.log(f"{backend} {row['scenario']}: "
@@ -878,6 +903,18 @@ def compared(row: dict, orc: dict | None) -> dict:
     return row
 
 
+def forced_requests(reqs: list[dict], oracle: dict | None) -> list[dict]:
+    """``reqs`` with each compared request's answer forced to its oracle's tokens (``--forced``);
+    as they are without an oracle. Dropped requests and those the oracle did not answer go free."""
+    if oracle is None:
+        return reqs
+    out = []
+    for r in reqs:
+        tokens = (oracle.get(r["id"]) or {}).get("tokens")
+        out.append({**r, "forced": tokens} if tokens and not r.get("abort") else r)
+    return out
+
+
 def spec_row(engine: str, fields: dict, reqs: list[dict], got: dict, orc: dict | None) -> dict:
     """A speculative server's row: its answers against the oracle's tokens (an error when there are none)."""
     return {**compared(summarize(engine, {"spec": reqs}, orc or {}, got, "spec"), orc), **fields}
@@ -912,7 +949,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             lines.append(f"| {r['backend']} | {r['scenario']} | {what} | | | | | | | | | | | | | | |")
             continue
         mean = r.get("mean_tokens_before_divergence")
-        lines.append(f"| {r['backend']} | {r['scenario']} | {r['sent']} | {r['completed']} | {r['aborted']} | "
+        scenario = r["scenario"] + (" (forced)" if r.get("forced") else "")
+        lines.append(f"| {r['backend']} | {scenario} | {r['sent']} | {r['completed']} | {r['aborted']} | "
                      f"{r['failed_clean']} | {r['failed_other']} | {r['crashed']} | {r['compared']} | "
                      f"{'—' if mean is None else f'{mean:.1f}'} | {r['diverged_within_16']} | "
                      f"{m.get('preemptions', '—')} | {m.get('prefix_cache_hits', '—')} | "
@@ -930,7 +968,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                f"requests (bf16 numerics keep it near 0, a wrong state moves it); and of the requests that "
                f"diverge, how many parted where either server was {TIE_NATS} nats or more from the other's token "
                "or did not have it among its top tokens (a near tie flips under bf16 rounding; a wrong state "
-               "does not need one).")]
+               "does not need one). Forced rows (--forced): each answer forced to its oracle's tokens, so the "
+               "drift covers every position; the count after it is the requests that drifted "
+               f"{TIE_NATS} nats or more.")]
     return "\n".join(lines) + "\n"
 
 
@@ -938,7 +978,8 @@ def logprob_cells(r: dict) -> str:
     """The two logprob columns of a row (— without logprobs)."""
     if r.get("logprob_drift_max") is None:
         return "— | —"
-    return (f"{r['logprob_drift_median']:.3f} / {r['logprob_drift_max']:.3f} | "
+    over = f" ({r['logprob_drift_over_tie']} at {TIE_NATS}+)" if r.get("forced") and "logprob_drift_over_tie" in r else ""
+    return (f"{r['logprob_drift_median']:.3f} / {r['logprob_drift_max']:.3f}{over} | "
             f"{r['divergences_not_near_tie']} of {r['divergences']}")
 
 
@@ -963,6 +1004,10 @@ def parse_args(argv):
     p.add_argument("--logprobs", type=int, default=0, metavar="K",
                    help="every compared request also returns its tokens' logprobs and its top K tokens: agreement "
                         "in probability (drift, near ties at divergences) beside the tokens'")
+    p.add_argument("--forced", action="store_true",
+                   help="vLLM: the stress server's compared requests are forced to their oracle's answers (a "
+                        "logits processor of the plugin), so that their logprobs meet the oracle's on the same "
+                        "context at every position, not only before a first divergence; needs --logprobs")
     p.add_argument("--spec-method", choices=SPEC_METHODS, default="mtp",
                    help="the speculative servers' proposer: the model's MTP layer, or vLLM's ngram lookup")
     p.add_argument("--spec-requests", type=int, default=64)
@@ -1002,6 +1047,8 @@ def parse_args(argv):
         p.error(f"--spec-tokens {args.spec_tokens}: each must be in 1..8")
     if "flashqla-fault" in args.backends and args.engine != "vllm":
         p.error("flashqla-fault: the fault is installed by vLLM's qla_dummy load format only")
+    if args.forced and (args.engine != "vllm" or args.logprobs < 1):
+        p.error("--forced: vLLM only (its logits processors), with --logprobs K (the comparison it is for)")
     if args.spec_method == "ngram" and args.engine != "vllm":
         p.error("--spec-method ngram: vLLM's proposer only (SGLang's speculative servers run NEXTN)")
     i, _, n = args.oracle_shard.partition("/")

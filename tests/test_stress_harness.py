@@ -119,7 +119,7 @@ def test_compare_counts_early_divergence():
            "c": {"tokens": None}}
     r = stress.compare(oracle, got, ["a", "b", "c", "missing"])
     assert r == {"compared": 2, "mean_tokens_before_divergence": (32 + 3) / 2, "diverged_within_16": 1,
-                 "oracle_distinct_tokens": 32}
+                 "identical": 1, "oracle_distinct_tokens": 32}
     # answers of one token repeated (the dummy weights' kind) say so: the median over those compared
     flat = {k: {"tokens": [k * 10] * 32} for k in (1, 2, 3)}
     assert stress.compare(flat, {**flat, 3: {"tokens": [30] * 31 + [5]}}, [1, 2, 3])["oracle_distinct_tokens"] == 1
@@ -186,7 +186,10 @@ class _Fake:
     400 for bad JSON or an empty prompt, streams held open until the client drops them),
     SGLang's /abort_request, /health, /metrics."""
 
-    def __init__(self, broken: bool = False):
+    def __init__(self, broken: bool = False, forcing: bool = False, skewed: bool = False):
+        self.forcing = forcing  # started with the forced-answers logits processor: honours vllm_xargs
+        self.skewed = skewed  # a wrong state's kind: from the second token on, other logits
+        self.bodies: list[dict] = []
         self.closed_early = 0
         self.aborted: list[str] = []
         self.broken = broken  # every request a 500, as from a server whose worker died
@@ -233,8 +236,20 @@ class _Fake:
             msg = json.dumps({"text": "", "output_ids": toks, "meta_info": {"finish_reason": {"type": "length"}}}).encode()
             out = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(msg), msg)
         else:
+            self.bodies.append(req)
             toks = _tokens(req["prompt"], req["max_tokens"])
-            msg = json.dumps({"choices": [{"token_ids": toks, "finish_reason": "length"}]}).encode()
+            lps = [-0.1 - 0.01 * i for i in range(len(toks))]
+            if self.skewed:  # its own greedy choice and probabilities from the second token on
+                toks = toks[:1] + [(t + 1) % 7 for t in toks[1:]]
+                lps = lps[:1] + [-2.0] * (len(toks) - 1)
+            forced = (req.get("vllm_xargs") or {}).get(stress.FORCED_KEY) if self.forcing else None
+            if forced is not None:
+                toks = list(forced)
+            choice = {"token_ids": toks, "finish_reason": "length"}
+            if req.get("logprobs"):
+                choice["logprobs"] = {"token_logprobs": lps, "top_logprobs": [{f"token_id:{t}": v}
+                                                                             for t, v in zip(toks, lps)]}
+            msg = json.dumps({"choices": [choice]}).encode()
             out = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(msg), msg)
         writer.write(out)
         await writer.drain()
@@ -364,6 +379,8 @@ class _StandInServer:
     starts: ClassVar[list[str]] = []
     fail: ClassVar[set[str]] = set()
     broken: ClassVar[set[str]] = set()  # tags whose server answers every request with a 500
+    skewed: ClassVar[set[str]] = set()  # tags whose server answers as with a wrong state
+    fakes: ClassVar[dict[str, _Fake]] = {}
 
     def __init__(self, cmd, env, log_path, port):
         self.cmd, self.env, self.log_path, self.port = cmd, env, pathlib.Path(log_path), port
@@ -379,7 +396,9 @@ class _StandInServer:
 
         def serve_forever():
             self.loop = asyncio.new_event_loop()
-            fake = _Fake(broken=self.tag in _StandInServer.broken)
+            fake = _Fake(broken=self.tag in _StandInServer.broken, skewed=self.tag in _StandInServer.skewed,
+                         forcing="--logits-processors" in self.cmd)
+            _StandInServer.fakes[self.tag] = fake
             srv = self.loop.run_until_complete(asyncio.start_server(fake.handle, "127.0.0.1", self.port))
             ready.set()
             self.loop.run_forever()
@@ -788,3 +807,44 @@ def test_a_backend_whose_name_extends_another_keeps_its_own_parts(tmp_path):
     assert [(p["backend"], p["part"]) for p in parts] == [
         ("flashqla", "stress"), ("flashqla", "spec2"), ("flashqla", "ngram4"),
         ("flashqla-fault", "stress"), ("default", "stress")]
+
+
+def test_forced_answers_compare_every_position(tmp_path, monkeypatch):
+    """--forced: the stress server (and only it) loads the forced-answers processor, its compared
+    requests carry their oracle's tokens, every answer equals its oracle's, and a server whose
+    probabilities differ from the second token on is seen at every request, where free answers
+    part from the oracle at once and compare one token."""
+    def run(tag_skewed, out, forced=True):
+        _StandInServer.skewed = tag_skewed
+        common = _stand_in_runs(monkeypatch, tmp_path / f"work-{out}", requests=8, max_prompt=300)
+        assert stress.main([*common, "--logprobs", "2", *(["--forced"] if forced else []), "--port", str(_free_port()),
+                            "--spec-tokens", "--out-dir", str(tmp_path / out)]) == 0, _failed_rows(tmp_path / out)
+        (path,) = (tmp_path / out).glob("*.json")
+        return {r["scenario"]: r for r in json.loads(path.read_text())["rows"]}
+
+    rows = run(set(), "clean")
+    stress_cmd = json.loads((tmp_path / "clean").joinpath(next((tmp_path / "clean").glob("*.json")).name)
+                            .read_text())["meta"]["backends"]["flashqla"]["server_commands"]["stress"]
+    assert f"--logits-processors {stress.FORCED_PROCESSOR}" in stress_cmd
+    oracle_bodies, stress_bodies = _StandInServer.fakes["oracle"].bodies, _StandInServer.fakes["stress"].bodies
+    assert not any("vllm_xargs" in b for b in oracle_bodies)
+    assert any(b.get("vllm_xargs", {}).get(stress.FORCED_KEY) for b in stress_bodies)
+    for name in ("load", "prefix", "prefix-after-eviction"):
+        r = rows[name]
+        assert r["forced"] and r["identical"] == r["compared"] > 0 and r["logprob_drift_max"] == 0, r
+        assert r["logprob_drift_over_tie"] == 0
+
+    rows = run({"stress"}, "skewed")
+    for name in ("load", "prefix", "prefix-after-eviction"):
+        r = rows[name]
+        assert r["identical"] == r["compared"] > 0  # forced: the same tokens,
+        assert r["logprob_drift_over_tie"] == r["compared"]  # other probabilities at every request
+        assert abs(r["logprob_drift_median"] - 1.89) < 0.02, r
+    rows = run({"stress"}, "skewed-free", forced=False)
+    for name in ("load", "prefix", "prefix-after-eviction"):
+        r = rows[name]  # free: each answer parts at its second token, and the one shared token agrees
+        assert "forced" not in r and r["mean_tokens_before_divergence"] == 1 and r["logprob_drift_max"] == 0, r
+    with pytest.raises(SystemExit):
+        stress.parse_args(["--engine", "vllm", "--forced"])  # nothing to compare without logprobs
+    with pytest.raises(SystemExit):
+        stress.parse_args(["--engine", "sglang", "--forced", "--logprobs", "2"])

@@ -213,6 +213,26 @@ def test_stress_server_turns_vllms_prefix_cache_on(registered, setup):
     assert cfg.cache_config.enable_prefix_caching
 
 
+def test_forced_stress_server_loads_the_forced_answers_processor(registered, setup):
+    """--forced: vLLM parses the stress server's command, keeps the processor in its model config,
+    and its own loader resolves the name to the plugin's class (the harness mirrors the names)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
+
+    from e2e_bench import stress
+    from qla_serving.integrations.vllm import forced
+
+    assert (stress.FORCED_PROCESSOR, stress.FORCED_KEY) == (forced.LOGITS_PROCESSOR, forced.FORCED_KEY)
+    spec, s = setup
+    args = stress.parse_args(["--engine", "vllm", "--forced", "--logprobs", "2", "--spec-tokens"])
+    cmd = stress.server_commands(s, "flashqla", args, spec["model_type"])["stress"]
+    parsed = _serve_parser().parse_args(cmd[len(serve.VLLM_CLI) + 1:])
+    parsed.model = parsed.model_tag
+    cfg = AsyncEngineArgs.from_cli_args(parsed).create_engine_config()
+    assert cfg.model_config.logits_processors == [forced.LOGITS_PROCESSOR]
+    assert _load_logitsprocs_by_fqcns(cfg.model_config.logits_processors) == [forced.ForcedTokens]
+
+
 def test_stress_reads_vllms_own_draft_acceptance_counters(registered, tmp_path):
     """The stress table's 'drafts accepted' of a speculative server: vLLM's own spec-decode counters,
     as its Prometheus logger prints them after two verify steps."""
