@@ -5,21 +5,14 @@ model's (raw, before the processor), other requests are untouched, moves and rem
 from __future__ import annotations
 
 import pytest
-
-vllm = pytest.importorskip("vllm")
-
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors, MoveDirectionality  # noqa: E402
-from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
-from vllm.v1.sample.sampler import Sampler  # noqa: E402
-
-from qla_serving.integrations.vllm import forced  # noqa: E402
+import torch
 
 VOCAB = 50
 
 
-def _metadata(procs: LogitsProcessors, outputs: list[list[int]], batch: int) -> SamplingMetadata:
+def _metadata(procs, outputs: list[list[int]], batch: int):
+    from vllm.v1.sample.metadata import SamplingMetadata
+
     return SamplingMetadata(
         temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None, generators={},
         max_num_logprobs=2, no_penalties=True, prompt_token_ids=None,
@@ -28,12 +21,21 @@ def _metadata(procs: LogitsProcessors, outputs: list[list[int]], batch: int) -> 
         bad_words_token_ids={}, logitsprocs=procs)
 
 
-def _params(tokens=None) -> SamplingParams:
+def _params(tokens=None):
+    from vllm import SamplingParams
+
+    from qla_serving.integrations.vllm import forced
+
     return SamplingParams(temperature=0, max_tokens=8,
                           extra_args=None if tokens is None else {forced.FORCED_KEY: tokens})
 
 
 def test_forced_requests_sample_their_tokens_with_the_models_logprobs():
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors, MoveDirectionality
+    from vllm.v1.sample.sampler import Sampler
+
+    from qla_serving.integrations.vllm import forced
+
     gen = torch.Generator().manual_seed(0)
     proc = forced.ForcedTokens(None, torch.device("cpu"), False)
     procs = LogitsProcessors([proc])
@@ -69,6 +71,8 @@ def test_forced_requests_sample_their_tokens_with_the_models_logprobs():
 
 
 def test_bad_forced_tokens_are_refused():
+    from qla_serving.integrations.vllm import forced
+
     for bad in ("1,2", [1, -2], [1.0], [True]):
         with pytest.raises(ValueError, match=forced.FORCED_KEY):
             forced.ForcedTokens.validate_params(_params(bad))
