@@ -43,8 +43,6 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
         qla_prefill_has_initial_state: ``[plan.num_seqs]`` bool on the device.
         qla_prefill_rows: ``[plan.num_seqs]`` int64 on the device — which of vLLM's prefill
             rows the plan keeps, or None when it keeps them all.
-        qla_spec_uniform: with speculative rows, whether every one has ``num_spec + 1``
-            tokens (host-side, so the layer knows without a sync); None without them.
         qla_bound: the step's bound launches (``QLA_BOUND_LAUNCH``), filled by its first GDN
             layer and rerun by the others: layout key -> launch.
 
@@ -69,7 +67,6 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
     qla_prefill_state_indices: torch.Tensor | None = None
     qla_prefill_has_initial_state: torch.Tensor | None = None
     qla_prefill_rows: torch.Tensor | None = None
-    qla_spec_uniform: bool | None = None
     qla_bound: dict = dataclasses.field(default_factory=dict)
     qla_resume_src: torch.Tensor | None = None
     qla_resume_dst: torch.Tensor | None = None
@@ -177,8 +174,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             self._attach_plan(out, m, spec_mask)
         if spec_mask is not None:
             lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff()[spec_mask]
-            out.qla_spec_uniform = bool((lens == self.num_spec + 1).all())
-            if not out.qla_spec_uniform:
+            if not bool((lens == self.num_spec + 1).all()):  # (the layer reads the padding's presence)
                 self._attach_spec_padding(out, lens.tolist())
         if self.num_spec > 0:
             self._attach_resume(out, m, num_accepted_tokens, spec_mask)
