@@ -605,33 +605,46 @@ def backend_env(backend: str, tp: int = 1, engine: str = "vllm") -> dict:
 
 
 class Lockstep:
-    """Servers side by side (serve-split) measure each point at the same time.
+    """Servers side by side (serve-split) measure each point at the same time, or in turns.
 
     A concurrency-1 step is host-bound, and servers on one host slow each other down: a point
     measured while the other slot's server still compiles at start-up, or after it has stopped,
     is not comparable with that server's (docs/e2e.md, "Host time"). With ``--lockstep ID:N``
     each of the N slots waits, before its warm-up, every point and its profile, until all N
     have arrived there or left (a slot whose server failed, or that ran out of budget, leaves),
-    through files in ``WORK/lockstep-ID``.
+    through files in ``WORK/lockstep-ID``. With ``--lockstep ID:N:turns`` (servers sharing their
+    GPUs) the slots then measure the point one after another while the others idle, the order
+    rotating from point to point; a slot's turn at a point ends when it arrives at the next one.
     """
 
     def __init__(self, spec: str, work: pathlib.Path, me: str):
-        self.n = 0
+        self.n, self.turns, self.calls, self.last = 0, False, 0, ""
         if spec:
-            ident, _, n = spec.rpartition(":")
-            if not ident or not n.isdigit() or int(n) < 1:
-                raise ValueError(f"--lockstep {spec!r}: expected ID:N (N slots, at least 1)")
-            self.n, self.dir, self.me = int(n), work / f"lockstep-{ident}", me
+            parts = spec.split(":")
+            self.turns = parts[-1] == "turns"
+            if self.turns:
+                parts.pop()
+            if len(parts) != 2 or not parts[0] or not parts[1].isdigit() or int(parts[1]) < 1:
+                raise ValueError(f"--lockstep {spec!r}: expected ID:N or ID:N:turns (N slots, at least 1)")
+            self.n, self.dir, self.me = int(parts[1]), work / f"lockstep-{parts[0]}", me
             self.dir.mkdir(parents=True, exist_ok=True)
 
     def _gone(self) -> set[str]:
         return {p.name[len("gone-"):] for p in self.dir.glob("gone-*")}
 
+    def _done(self, key: str) -> None:
+        if key:
+            done = self.dir / f"{key}.done"
+            done.mkdir(parents=True, exist_ok=True)
+            (done / self.me).touch()
+
     def wait(self, key: str, deadline: float) -> float | None:
-        """Arrive at ``key`` and wait for the others; the seconds waited (None when off or when
-        the deadline came first, which the log names)."""
+        """Arrive at ``key`` and wait for the others (in turns: and for the slots before this one);
+        the seconds waited (None when off or when the deadline came first, which the log names)."""
         if not self.n:
             return None
+        self._done(self.last)  # in turns: this slot's measurement of the previous point is over
+        self.last, self.calls = key, self.calls + 1
         here = self.dir / key
         here.mkdir(parents=True, exist_ok=True)
         (here / self.me).touch()
@@ -641,6 +654,17 @@ class Lockstep:
                 log(f"lockstep: {key} reached by {len(list(here.iterdir()))} of {self.n} slots by the deadline; going on")
                 return None
             time.sleep(0.2)
+        if self.turns:
+            order = sorted(p.name for p in here.iterdir())
+            shift = (self.calls - 1) % len(order)
+            order = order[shift:] + order[:shift]
+            before = set(order[:order.index(self.me)])
+            done = self.dir / f"{key}.done"
+            while not before <= ({p.name for p in done.iterdir()} if done.is_dir() else set()) | self._gone():
+                if time.monotonic() > deadline:
+                    log(f"lockstep: {key}: the turns before this slot not over by the deadline; going on")
+                    return None
+                time.sleep(0.2)
         return round(time.monotonic() - t0, 1)
 
     def leave(self) -> None:
@@ -1296,9 +1320,10 @@ def parse_args(argv):
                         "--profile-steps steps after --profile-delay) and summarise the trace (e2e_bench/trace_summary.py)")
     p.add_argument("--profile-delay", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=20)
-    p.add_argument("--lockstep", default="", metavar="ID:N",
+    p.add_argument("--lockstep", default="", metavar="ID:N[:turns]",
                    help="one of N servers side by side (serve-split sets it): wait for the others before the "
-                        "warm-up, each point and the profile, so that all measure at the same time")
+                        "warm-up, each point and the profile, so that all measure at the same time; with "
+                        ":turns (servers sharing GPUs) one after another, the order rotating by point")
     p.add_argument("--tag", default="")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--work-dir", default="", help="servers' logs, client results and each backend's rows; "
@@ -1360,6 +1385,9 @@ def main(argv=None) -> int:
     log(f"CPUs: {cpu_set()}")
     if args.dry_run:
         log(f"model: {model_text}")
+        if args.lockstep:
+            Lockstep(args.lockstep, work, "dry-run")  # a malformed spec fails here, not after start-up
+            log(f"lockstep: {args.lockstep}")
         for b in backends:
             print(shlex.join(server_command(s, b, args.server_arg)))
         for w in args.workloads:

@@ -15,7 +15,9 @@
 # serve-split (the serving benchmark's servers side by side, one per GPU: QLA_SERVE_SPLIT="GPU:BACKEND[:SAMPLE]
 # ...", each server with the common QLA_SERVE_ARGS, its own port and vLLM cache; then one results file
 # of them all in $OUT, each backend row naming its GPU; each run's log in serve-logs.tar.xz as
-# qla-serve-split-gpu<GPU>-<BACKEND>.log: the lent machine returns few files per call).
+# qla-serve-split-gpu<GPU>-<BACKEND>.log: the lent machine returns few files per call). Slots may share
+# GPUs ("0,1,2,3:flashqla 0,1,2,3:triton": two TP 4 servers on one 4-GPU host, each given its share of
+# memory in QLA_SERVE_ARGS): they then measure in turns, one server at a time, each with its own vLLM cache.
 # QLA_SPLIT_CPUS=even gives each slot of serve-split / stress-split an equal share of the CPUs of its
 # own (taskset), so that servers side by side do not run on each other's cores (a concurrency-1 step
 # is host-bound: docs/e2e.md, "Host time").
@@ -81,10 +83,12 @@ PY
 side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's matches shown, default all]
   local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out
   local -a extra pin cpus
-  local stamp nslots per
+  local stamp nslots per turns
   stamp=$(date +%s%N) nslots=$(wc -w <<<"$slots")
   mapfile -t cpus < <(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)), sep='\n')")
   per=$((${#cpus[@]} / nslots))
+  # slots whose GPU groups meet share those GPUs: their servers measure in turns, not at once
+  turns=$(tr ' ' '\n' <<<"$slots" | cut -d: -f1 | tr ',' '\n' | sort | uniq -d | head -1)
   stop_leftover_servers
   rm -f /tmp/$prefix-*.log  # an earlier call's, on a machine kept warm
   python3 -m "$module" $args --dry-run >/dev/null  # the model's files, before any server reads them
@@ -93,7 +97,7 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
     if [[ $module == e2e_bench.serve ]]; then
       # the servers measure each point at the same time (a server measured alone, or beside another's
       # start-up, is not comparable: docs/e2e.md, "Host time")
-      extra=(--server-sample "${rest:-1}" --lockstep "$stamp:$nslots")
+      extra=(--server-sample "${rest:-1}" --lockstep "$stamp:$nslots${turns:+:turns}")
       out=/tmp/qla-split-$i log=/tmp/$prefix-gpu$gpus-$backend.log
     else
       IFS=: read -r phase ks <<<"$rest"
@@ -110,7 +114,7 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
         || { echo "QLA_SPLIT_CPUS=$QLA_SPLIT_CPUS: 'even' is the one split, with a CPU per slot at least (${#cpus[@]} CPUs)"; return 2; }
       pin=(taskset -c "$(IFS=,; echo "${cpus[*]:i * per:per}")")
     fi
-    CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-} "${pin[@]}" python3 -m "$module" $args \
+    CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-}${turns:+-$i} "${pin[@]}" python3 -m "$module" $args \
       --backends "$backend" "${extra[@]}" --port $((8321 + 100 * i)) --out-dir "$out" >"$log" 2>&1 &
     i=$((i + 1))
   done
@@ -178,7 +182,7 @@ for step in "$@"; do
         exit $rc ) 2>&1 | tee "$OUT/serve.log" | tail -60 ;;
     serve-split)
       ( side_by_side e2e_bench.serve "${QLA_SERVE_ARGS:-}" "${QLA_SERVE_SPLIT:?GPU:BACKEND[:SAMPLE] ...}" \
-          qla-serve-split "CPUs|healthy|warm-up|point|FAILED|budget"
+          qla-serve-split "CPUs|lockstep|healthy|warm-up|point|FAILED|budget"
         rc=$?
         tar -C /tmp --exclude='*/model' --exclude='*/trace-*' -cJf "$OUT/serve-logs.tar.xz" \
           $(cd /tmp && ls -d qla-serve-* 2>/dev/null)

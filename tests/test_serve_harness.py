@@ -641,6 +641,13 @@ def test_servers_side_by_side_get_cpus_of_their_own(tmp_path):
     per = len(cpus) // 2
     sets = [line.split("CPUs: ")[1] for line in r.stdout.splitlines() if "] CPUs: " in line]
     assert sets[:2] == [_cpu_text(cpus[:per]), _cpu_text(cpus[per:2 * per])], r.stdout
+    assert all(":turns" not in line for line in r.stdout.splitlines() if "lockstep: " in line), r.stdout
+    # slots sharing GPUs (two TP 2 servers on the same two GPUs) measure in turns
+    env["QLA_SERVE_SPLIT"] = "0,1:flashqla 0,1:triton"
+    r = run()
+    assert r.returncode == 0, r.stdout + r.stderr
+    modes = [line.split("lockstep: ")[1] for line in r.stdout.splitlines() if "] lockstep: " in line]
+    assert len(modes) == 2 and all(m.endswith(":2:turns") for m in modes), r.stdout
     env["QLA_SPLIT_CPUS"] = "odd"
     r = run()
     assert r.returncode != 0 and "'even' is the one split" in r.stdout
@@ -683,6 +690,45 @@ def test_servers_side_by_side_measure_each_point_together(tmp_path):
     assert serve.Lockstep("", tmp_path, "a").wait("x", 0) is None  # off
     with pytest.raises(ValueError, match="ID:N"):
         serve.Lockstep("run3", tmp_path, "a")
+
+
+def test_servers_sharing_gpus_measure_each_point_in_turns(tmp_path):
+    """--lockstep ID:N:turns: at each point the slots measure one after another (a slot's turn ends
+    when it arrives at the next point), the first slot rotating from point to point; a slot that
+    leaves ends its turns."""
+    import threading
+
+    keys = ["warm-up", "r1-long-c1", "r1-long-c32", "r2-long-c1"]
+    spans: dict[str, list[tuple[str, float, float]]] = {k: [] for k in keys}
+    lock = threading.Lock()
+
+    def slot(name, stop_after=None):
+        ls = serve.Lockstep("run1:3:turns", tmp_path, name)
+        for i, key in enumerate(keys):
+            if i == stop_after:
+                break
+            assert ls.wait(key, time.monotonic() + 30) is not None
+            t0 = time.monotonic()
+            time.sleep(0.15 if name != "b" else 0.25)
+            with lock:
+                spans[key].append((name, t0, time.monotonic()))
+        ls.leave()
+
+    threads = [threading.Thread(target=slot, args=a) for a in (("a",), ("b",), ("c", 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    firsts = []
+    for key in keys:
+        got = sorted(spans[key], key=lambda r: r[1])
+        for (_, _, end), (_, start, _) in zip(got, got[1:]):
+            assert start >= end - 0.01, (key, got)  # one at a time
+        firsts.append(got[0][0])
+    assert firsts[:3] == ["a", "b", "c"], firsts  # the order rotates by point
+    assert sorted(r[0] for r in spans[keys[-1]]) == ["a", "b"]  # c left before the last point
+    with pytest.raises(ValueError, match="ID:N"):
+        serve.Lockstep("run1:2:taking-turns", tmp_path, "a")
 
 
 def test_a_slot_that_starts_late_is_waited_for_before_any_point(tmp_path, monkeypatch):
