@@ -150,6 +150,8 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self.qla_accepted: torch.Tensor | None | bool = None  # False: this vLLM passes no view of it
         self.qla_last_step_had_drafts = False
         self._qla_capturing = False
+        self._qla_warned_fresh = False
+        self.qla_layer_names = list(layer_names)  # whose states a fresh one-token row's slot zeroes
         self.qla_conv_width = int(getattr(vllm_config.model_config.hf_text_config, "linear_conv_kernel_dim", 4))
 
     def build(  # type: ignore[override]
@@ -176,9 +178,54 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             lens = m.query_start_loc_cpu[: m.num_reqs + 1].diff()[spec_mask]
             if not bool((lens == self.num_spec + 1).all()):  # (the layer reads the padding's presence)
                 self._attach_spec_padding(out, lens.tolist())
+        fresh = None if self._qla_capturing else self._fresh_one_token_rows(m, spec_mask)
+        if fresh is not None:
+            self._zero_fresh_states(md, fresh, spec_mask)
         if self.num_spec > 0:
-            self._attach_resume(out, m, num_accepted_tokens, spec_mask)
+            self._attach_resume(out, m, num_accepted_tokens, spec_mask, fresh)
         return out
+
+    def _fresh_one_token_rows(self, m, spec_mask) -> torch.Tensor | None:
+        """Rows of requests whose whole prompt is one token, in their first step (host bool
+        ``[num_reqs]``), or None when there are none.
+
+        vLLM 0.26's GDN builder splits rows by query length alone, so such a row runs as a decode
+        and reads its state slot as the slot's previous request left it (vLLM's Mamba builder
+        tells them apart by ``is_prefilling``; its GDN builder does not)."""
+        prefilling = getattr(m, "is_prefilling", None)
+        seq_lens = getattr(m, "seq_lens_cpu_upper_bound", None)  # exact for prefilling rows
+        n = m.num_reqs
+        if prefilling is None or seq_lens is None:
+            if not self._qla_warned_fresh:
+                self._qla_warned_fresh = True
+                logger.warning("qla-serving: this vLLM's step metadata has no is_prefilling / "
+                               "seq_lens_cpu_upper_bound; a one-token prompt reads its state slot "
+                               "as the slot's last request left it, as with vLLM's own GDN kernels")
+            return None
+        prefilling = prefilling[:n]
+        if not bool(prefilling.any()):
+            return None  # (every decode step without new requests ends here)
+        lens = m.query_start_loc_cpu[: n + 1].diff()
+        fresh = prefilling & (lens == 1) & (seq_lens[:n] == 1)
+        if spec_mask is not None:
+            fresh &= ~spec_mask
+        return fresh if bool(fresh.any()) else None
+
+    def _zero_fresh_states(self, md, fresh: torch.Tensor, spec_mask) -> None:
+        """Zero the conv and recurrent state of each fresh one-token row in every layer of this
+        group, before the step runs: the decode then starts from the zero state a prefill without
+        initial state starts from. Done here, not in the layers, because a step of one-token rows
+        replays a FULL CUDA graph captured without it."""
+        # the row's place among vLLM's non-speculative rows, whose slots the decode reads
+        pos = (fresh.nonzero().flatten() if spec_mask is None
+               else (torch.cumsum((~spec_mask).int(), 0) - 1)[fresh])
+        slots = md.non_spec_state_indices_tensor.index_select(
+            0, _to_device(pos.tolist(), torch.int64, md.non_spec_state_indices_tensor.device)).long()
+        context = self.vllm_config.compilation_config.static_forward_context
+        for name in self.qla_layer_names:
+            for state in getattr(context.get(name), "kv_cache", ()) or ():
+                if isinstance(state, torch.Tensor) and state.numel():
+                    state.index_fill_(0, slots, 0)
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         # vLLM passes made-up accepted counts here: not the runner's buffer, not a real step
@@ -203,7 +250,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         slots = md.spec_state_indices_tensor[: len(lens)].reshape(-1).long()
         md.qla_spec_write = torch.where(_to_device(valid, torch.bool, dev), slots, VLLM_NULL_BLOCK_ID)
 
-    def _attach_resume(self, md: QlaGDNAttentionMetadata, m, num_accepted_tokens, spec_mask) -> None:
+    def _attach_resume(self, md: QlaGDNAttentionMetadata, m, num_accepted_tokens, spec_mask, fresh) -> None:
         """Where each one-token row without drafts finds its state, on a speculative server (see
         :class:`QlaGDNAttentionMetadata`)."""
         if self._qla_capturing:
@@ -228,7 +275,9 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         spec = [False] * m.num_reqs if spec_mask is None else spec_mask.tolist()
         # one-token rows only: a row that had drafts and has none now runs one token; a longer row
         # without drafts is a prefill chunk, after which the runner counts one accepted token
-        rows = [i for i, (n, s) in enumerate(zip(lens, spec)) if n == 1 and not s]
+        # (a fresh one-token prompt has no state to move: its slot was zeroed for this step)
+        new = [False] * m.num_reqs if fresh is None else fresh.tolist()
+        rows = [i for i, (n, s, f) in enumerate(zip(lens, spec, new)) if n == 1 and not s and not f]
         if not rows:
             return
         dev = m.query_start_loc.device

@@ -92,7 +92,7 @@ def init_cpu_distributed(vllm_config) -> None:
         ensure_model_parallel_initialized(1, 1)
 
 
-def common_metadata(query_lens, context_lens, slots, device="cpu"):
+def common_metadata(query_lens, context_lens, slots, device="cpu", prefilling=None):
     """A real vLLM ``CommonAttentionMetadata`` for one step.
 
     Args:
@@ -100,6 +100,8 @@ def common_metadata(query_lens, context_lens, slots, device="cpu"):
         context_lens: tokens each request had computed before this step.
         slots: the state slot (mamba block) of each request, or a row of slots per request
             (a speculative server's block table: one per draft position).
+        prefilling: whether each request is still in its prompt (vLLM's ``is_prefilling``);
+            default: the rows of more than one token and those with nothing computed yet.
     """
     import torch
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -115,6 +117,8 @@ def common_metadata(query_lens, context_lens, slots, device="cpu"):
         max_seq_len=int(seq.max()), block_table_tensor=torch.tensor(slots, dtype=torch.int32).view(len(query_lens), -1).to(device),
         slot_mapping=torch.zeros(n_tok, dtype=torch.int64, device=device), _seq_lens_cpu=seq,
         seq_lens_cpu_upper_bound=seq,
+        is_prefilling=(torch.tensor(prefilling, dtype=torch.bool) if prefilling is not None
+                       else (q > 1) | (torch.tensor(context_lens) == 0)),
     )
     # The optional host copies vary between vLLM versions: pass those this one has.
     known = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}

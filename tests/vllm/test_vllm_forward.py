@@ -58,12 +58,14 @@ def run_step(layer, vllm_config, query, context, slots, mixed_qkv, a, b):
     return out, md
 
 
-@pytest.mark.parametrize("num_decodes, prefill_lens", [(0, [70]), (3, [70, 5, 130]), (4, [])])
+@pytest.mark.parametrize("num_decodes, prefill_lens, fresh", [(0, [70], None), (3, [70, 5, 130], 1), (4, [], 2)])
 @pytest.mark.parametrize("prefill_inputs", ["split", "packed"])
-def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, num_decodes, prefill_lens,
+def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, num_decodes, prefill_lens, fresh,
                                      prefill_inputs):
     """``packed`` (the default): the prefill takes the conv output and the raw gate inputs; ``split``:
-    vLLM's fused_post_conv_prep output (QLA_PREFILL_PACKED=0)."""
+    vLLM's fused_post_conv_prep output (QLA_PREFILL_PACKED=0). ``fresh``: that one-token row is a
+    new request whose prompt is one token (nothing computed before): vLLM runs it as a decode, on a
+    slot holding its previous request's state, and it must start from zero like a prefill."""
     monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
     monkeypatch.setenv("QLA_PREFILL_PACKED", "1" if prefill_inputs == "packed" else "0")
     if prefill_inputs == "packed":
@@ -79,6 +81,8 @@ def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, 
     query = [1] * num_decodes + prefill_lens
     context = [rng.randint(1, 400) for _ in range(num_decodes)] + [
         rng.choice([0, rng.randint(1, 400)]) for _ in prefill_lens]
+    if fresh is not None:
+        context[fresh] = 0
     slots = rng.sample(range(1, NUM_SLOTS), len(query))
     T = sum(query)
     H, HV, K, V = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
