@@ -158,6 +158,33 @@ def test_resume_is_planned_only_after_a_step_with_drafts(ngram_config):
     assert md.qla_resume_src.tolist() == [3, 4] and md.qla_resume_dst.tolist() == [1, 4]
 
 
+def test_a_fresh_one_token_prompt_is_zeroed_not_resumed(ngram_config):
+    """A new request whose whole prompt is one token runs as a decode row (vLLM splits by query
+    length): after a step with drafts, its slot is zeroed in the group's layers before the step and
+    it is left out of the state moves, which would copy another column's leftovers into it."""
+    layer = build_gdn_layer(ngram_config)
+    conv_shape, ssm_shape = layer.get_state_shape()[:2]
+    layer.kv_cache = (torch.randn(NUM_SLOTS, *conv_shape), torch.randn(NUM_SLOTS, *ssm_shape))
+    before = [t.clone() for t in layer.kv_cache]
+    builder = metadata_builder(layer, ngram_config)
+    acc = torch.tensor([3, 2, 2], dtype=torch.int32)
+    table = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    builder.build(0, common_metadata([3, 3, 3], [5, 5, 5], table), num_accepted_tokens=acc[:3],
+                  num_decode_draft_tokens_cpu=torch.tensor([2, 2, 2], dtype=torch.int32))
+    assert all(torch.equal(t, b) for t, b in zip(layer.kv_cache, before))  # no fresh row: nothing zeroed
+    # the third request finished; a new one-token prompt took its slots
+    md = builder.build(0, common_metadata([1, 1, 1], [8, 7, 0], table))
+    assert md.qla_resume_src.tolist() == [3, 5] and md.qla_resume_dst.tolist() == [1, 4]
+    for t, b in zip(layer.kv_cache, before):
+        assert not t[7].any()  # the new request's column-0 slot
+        keep = [i for i in range(NUM_SLOTS) if i != 7]
+        assert torch.equal(t[keep], b[keep])
+    # a one-token row that is the last chunk of a longer prompt keeps its state
+    layer.kv_cache[1][7].fill_(1.0)
+    builder.build(0, common_metadata([1, 1, 1], [9, 8, 30], table, prefilling=[False, False, True]))
+    assert bool((layer.kv_cache[1][7] == 1.0).all())
+
+
 def test_accepted_counts_that_are_no_view_are_not_kept(ngram_config, caplog):
     """A vLLM that hands the builder a temporary (no view of the runner's buffer) cannot be read on
     a later step: the builder says so once and plans no state move (vLLM's own behaviour)."""
