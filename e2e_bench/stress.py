@@ -969,16 +969,34 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                f"diverge, how many parted where either server was {TIE_NATS} nats or more from the other's token "
                "or did not have it among its top tokens (a near tie flips under bf16 rounding; a wrong state "
                "does not need one). Forced rows (--forced): each answer forced to its oracle's tokens, so the "
-               "drift covers every position; the count after it is the requests that drifted "
-               f"{TIE_NATS} nats or more.")]
+               "drift covers every position; the counts after it are the requests that drifted "
+               f"{TIE_NATS} nats or more and those that drifted {STATE_NATS:g} or more (named): rounding "
+               "stays under the second, a state that is not the request's does not.")]
     return "\n".join(lines) + "\n"
+
+
+#: a forced answer this far from its oracle's logprob at some position had another state: bf16
+#: rounding of the same context under another batch moves it by a few 1/64-nat steps (0.44 at most
+#: on the clean servers of docs/e2e.md "Forced answers, served"), a swapped or stale state by 3-6
+STATE_NATS = 1.0
+
+
+def state_drifts(r: dict) -> list[str]:
+    """The requests of a forced row that drifted ``STATE_NATS`` or more, most first."""
+    far = [(d["drift"], k) for k, d in (r.get("per_request") or {}).items()
+           if isinstance(d.get("drift"), (int, float)) and d["drift"] >= STATE_NATS]
+    return [k for _, k in sorted(far, key=lambda t: (-t[0], t[1]))]
 
 
 def logprob_cells(r: dict) -> str:
     """The two logprob columns of a row (— without logprobs)."""
     if r.get("logprob_drift_max") is None:
         return "— | —"
-    over = f" ({r['logprob_drift_over_tie']} at {TIE_NATS}+)" if r.get("forced") and "logprob_drift_over_tie" in r else ""
+    over = ""
+    if r.get("forced") and "logprob_drift_over_tie" in r:
+        far = state_drifts(r)
+        named = ", ".join(far[:6]) + (f" and {len(far) - 6} more" if len(far) > 6 else "")
+        over = f" ({r['logprob_drift_over_tie']} at {TIE_NATS}+, {len(far)} at {STATE_NATS:g}+{': ' + named if far else ''})"
     return (f"{r['logprob_drift_median']:.3f} / {r['logprob_drift_max']:.3f}{over} | "
             f"{r['divergences_not_near_tie']} of {r['divergences']}")
 

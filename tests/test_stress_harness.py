@@ -840,6 +840,9 @@ def test_forced_answers_compare_every_position(tmp_path, monkeypatch):
         assert r["identical"] == r["compared"] > 0  # forced: the same tokens,
         assert r["logprob_drift_over_tie"] == r["compared"]  # other probabilities at every request
         assert abs(r["logprob_drift_median"] - 1.89) < 0.02, r
+        assert len(stress.state_drifts(r)) == r["compared"]  # each at 1.89 nats: past the state line
+        cells = stress.logprob_cells(r)
+        assert f"{r['compared']} at 1+: " in cells and sorted(r["per_request"])[0] in cells, cells
     rows = run({"stress"}, "skewed-free", forced=False)
     for name in ("load", "prefix", "prefix-after-eviction"):
         r = rows[name]  # free: each answer parts at its second token, and the one shared token agrees
