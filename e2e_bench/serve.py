@@ -1012,7 +1012,8 @@ def markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> st
     if paired:
         lines += ["## flashqla against each built-in backend, measured together", "",
                   "Each pair is one run of ours and one of the other backend in the same round of the same "
-                  "lockstep run (`--lockstep`: servers side by side, every point at the same time); a "
+                  "lockstep run (`--lockstep`: servers side by side, every point at the same time, or in turns where "
+                  "they share GPUs); a "
                   "server's absolute numbers move with the host, the pair's ratio much less. Medians over "
                   "the pairs (lowest-highest).", "",
                   "| workload | conc | versus | pairs | total tok/s | mean TTFT | mean TPOT |", "|---|---|---|---|---|---|---|"]
