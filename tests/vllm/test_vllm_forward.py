@@ -20,7 +20,7 @@ from qla_serving.ops.gated_delta_rule.naive import gdn_gate_ref, recurrent_gated
 NUM_SLOTS = 16
 
 
-def fresh_layer(vllm_config):
+def fresh_layer(vllm_config, device="cpu"):
     layer = build_gdn_layer(vllm_config)
     # random weights (vLLM's dummy loader would fill them the same way)
     with torch.no_grad():
@@ -33,7 +33,8 @@ def fresh_layer(vllm_config):
     conv_dtype, ssm_dtype = layer.get_state_dtype()[:2]
     conv_state = torch.randn(NUM_SLOTS, *conv_shape).to(conv_dtype)
     ssm_state = (0.3 * torch.randn(NUM_SLOTS, *ssm_shape)).to(ssm_dtype)
-    layer.kv_cache = (conv_state, ssm_state)
+    layer.to(device)
+    layer.kv_cache = (conv_state.to(device), ssm_state.to(device))
     conv_dim_first = is_conv_state_dim_first()
     return layer, conv_dim_first
 
@@ -51,8 +52,9 @@ def conv_oracle(x, state, weight, has_initial):
 def run_step(layer, vllm_config, query, context, slots, mixed_qkv, a, b):
     from vllm.forward_context import set_forward_context
 
-    md = metadata_builder(layer, vllm_config).build(0, common_metadata(query, context, slots))
-    out = torch.zeros(mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim, dtype=mixed_qkv.dtype)
+    dev = mixed_qkv.device
+    md = metadata_builder(layer, vllm_config, dev).build(0, common_metadata(query, context, slots, device=dev))
+    out = torch.zeros(mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim, dtype=mixed_qkv.dtype, device=dev)
     with set_forward_context({layer.prefix: md}, vllm_config):
         layer._forward_core(mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=out)
     return out, md
@@ -67,6 +69,19 @@ def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, 
     new request whose prompt is one token (nothing computed before): vLLM runs it as a decode, on a
     slot holding its previous request's state, and it must start from zero like a prefill."""
     monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    check_step(flashqla_config, monkeypatch, "cpu", num_decodes, prefill_lens, fresh, prefill_inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_decodes, prefill_lens, fresh", [(3, [70, 5, 130], 1), (4, [], 2)])
+def test_step_on_the_gpu_matches_float64_oracle(flashqla_config, distributed, monkeypatch, num_decodes,
+                                                prefill_lens, fresh):
+    """The same step through our kernels and vLLM's Triton conv, a fresh one-token prompt among the
+    decode rows (its slot zeroed by the builder before the decode kernel reads it)."""
+    check_step(flashqla_config, monkeypatch, "cuda", num_decodes, prefill_lens, fresh, "packed")
+
+
+def check_step(flashqla_config, monkeypatch, device, num_decodes, prefill_lens, fresh, prefill_inputs):
     monkeypatch.setenv("QLA_PREFILL_PACKED", "1" if prefill_inputs == "packed" else "0")
     if prefill_inputs == "packed":
         import qla_serving
@@ -76,7 +91,7 @@ def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, 
         monkeypatch.setattr(qla_serving, "chunk_gated_delta_rule_pool_packed",
                             lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     rng = random.Random(torch.initial_seed())
-    layer, conv_dim_first = fresh_layer(flashqla_config)
+    layer, conv_dim_first = fresh_layer(flashqla_config, device)
     conv_state, ssm_state = layer.kv_cache
     query = [1] * num_decodes + prefill_lens
     context = [rng.randint(1, 400) for _ in range(num_decodes)] + [
@@ -89,12 +104,13 @@ def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, 
     dt = flashqla_config.model_config.dtype
     mixed_qkv = torch.randn(T, 2 * H * K + HV * V).to(dt)
     a, b = torch.randn(T, HV).to(dt), torch.randn(T, HV).to(dt)
-    conv_before, ssm_before = conv_state.clone(), ssm_state.clone()
+    conv_before, ssm_before = conv_state.cpu().clone(), ssm_state.cpu().clone()
 
-    out, _ = run_step(layer, flashqla_config, query, context, slots, mixed_qkv, a, b)
+    out, _ = run_step(layer, flashqla_config, query, context, slots, *(t.to(device) for t in (mixed_qkv, a, b)))
+    out, conv_state, ssm_state = out.cpu(), conv_state.cpu(), ssm_state.cpu()
 
     # --- oracle, sequence by sequence
-    weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
+    weight = layer.conv1d.weight.detach().cpu().view(layer.conv1d.weight.shape[0], -1)
     conv_view = conv_before if conv_dim_first else conv_before.transpose(-1, -2)
     ys, new_conv = [], []
     bounds = torch.tensor([0] + query).cumsum(0).tolist()
@@ -106,7 +122,7 @@ def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, 
     q = y[:, : H * K].reshape(T, H, K)
     k = y[:, H * K: 2 * H * K].reshape(T, H, K)
     v = y[:, 2 * H * K:].reshape(T, HV, V)
-    g, beta = gdn_gate_ref(a, b, layer.A_log, layer.dt_bias, torch.float64)
+    g, beta = gdn_gate_ref(a, b, layer.A_log.detach().cpu(), layer.dt_bias.detach().cpu(), torch.float64)
     init = torch.stack([ssm_before[s].double() if c > 0 else torch.zeros(HV, V, K, dtype=torch.float64)
                         for s, c in zip(slots, context)])
     o_ref, final_ref, _ = recurrent_gated_delta_rule_ref(
