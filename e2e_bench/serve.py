@@ -619,6 +619,7 @@ class Lockstep:
 
     def __init__(self, spec: str, work: pathlib.Path, me: str):
         self.n, self.turns, self.calls, self.last = 0, False, 0, ""
+        self.turn: int | None = None  # in turns: this slot's place at the last point (0: first)
         if spec:
             parts = spec.split(":")
             self.turns = parts[-1] == "turns"
@@ -658,7 +659,8 @@ class Lockstep:
             order = sorted(p.name for p in here.iterdir())
             shift = (self.calls - 1) % len(order)
             order = order[shift:] + order[:shift]
-            before = set(order[:order.index(self.me)])
+            self.turn = order.index(self.me)
+            before = set(order[:self.turn])
             done = self.dir / f"{key}.done"
             while not before <= ({p.name for p in done.iterdir()} if done.is_dir() else set()) | self._gone():
                 if time.monotonic() > deadline:
@@ -734,7 +736,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                     row = {"engine": s.engine, "backend": backend, "tp": s.tp, "workload": workload,
                            "input_len": input_len, "output_len": output_len, "concurrency": conc, "num_prompts": n,
                            "startup_s": info["startup_s"], "sample": args.server_sample, "round": rnd + 1,
-                           **({"lockstep": args.lockstep, "lockstep_wait_s": waited} if lockstep.n else {})}
+                           **({"lockstep": args.lockstep, "lockstep_wait_s": waited} if lockstep.n else {}),
+                           **({"lockstep_turn": lockstep.turn} if lockstep.turns else {})}
                     if rc != 0 or not res.is_file():
                         row["error"] = f"client exit {rc}: {err or ''} {tail(work / f'client-{name}.log', 5)}"
                     else:

@@ -702,6 +702,8 @@ def test_servers_sharing_gpus_measure_each_point_in_turns(tmp_path):
     spans: dict[str, list[tuple[str, float, float]]] = {k: [] for k in keys}
     lock = threading.Lock()
 
+    turns: dict[str, list[int]] = {}
+
     def slot(name, stop_after=None):
         ls = serve.Lockstep("run1:3:turns", tmp_path, name)
         for i, key in enumerate(keys):
@@ -712,6 +714,7 @@ def test_servers_sharing_gpus_measure_each_point_in_turns(tmp_path):
             time.sleep(0.15 if name != "b" else 0.25)
             with lock:
                 spans[key].append((name, t0, time.monotonic()))
+                turns.setdefault(name, []).append(ls.turn)
         ls.leave()
 
     threads = [threading.Thread(target=slot, args=a) for a in (("a",), ("b",), ("c", 3))]
@@ -726,6 +729,7 @@ def test_servers_sharing_gpus_measure_each_point_in_turns(tmp_path):
             assert start >= end - 0.01, (key, got)  # one at a time
         firsts.append(got[0][0])
     assert firsts[:3] == ["a", "b", "c"], firsts  # the order rotates by point
+    assert turns["a"][:3] == [0, 2, 1] and turns["c"] == [2, 1, 0], turns  # each slot's place, as rows record it
     assert sorted(r[0] for r in spans[keys[-1]]) == ["a", "b"]  # c left before the last point
     with pytest.raises(ValueError, match="ID:N"):
         serve.Lockstep("run1:2:taking-turns", tmp_path, "a")
