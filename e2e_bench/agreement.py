@@ -61,6 +61,11 @@ def distinct_tokens(answers: list[list[int]]) -> int | None:
 # rounding can flip: logits of a few units carry about 0.03 of rounding per bf16 step, and a
 # step's many sums add a few of those.
 TIE_NATS = 0.25
+# A forced answer (the oracle's context at every position) this far from its oracle's logprob at
+# some position had another state: rounding under another batch moves it by a few 1/64-nat steps
+# (0.44 at most on the clean servers of docs/e2e.md "Forced answers, served"), a swapped or stale
+# state by 3-6.
+STATE_NATS = 1.0
 
 
 def logprob_agreement(ref: list[int], ref_lp: list, out: list[int], out_lp: list) -> dict | None:

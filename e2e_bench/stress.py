@@ -57,7 +57,7 @@ import sys
 import time
 
 from . import serve
-from .agreement import TIE_NATS, agreeing_prefix, distinct_tokens, logprob_agreement
+from .agreement import STATE_NATS, TIE_NATS, agreeing_prefix, distinct_tokens, logprob_agreement
 
 #: --forced: the stress server's logits processor and the request key it reads
 #: (qla_serving.integrations.vllm.forced's LOGITS_PROCESSOR and FORCED_KEY; the harness runs where
@@ -973,12 +973,6 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                f"{TIE_NATS} nats or more and those that drifted {STATE_NATS:g} or more (named): rounding "
                "stays under the second, a state that is not the request's does not.")]
     return "\n".join(lines) + "\n"
-
-
-#: a forced answer this far from its oracle's logprob at some position had another state: bf16
-#: rounding of the same context under another batch moves it by a few 1/64-nat steps (0.44 at most
-#: on the clean servers of docs/e2e.md "Forced answers, served"), a swapped or stale state by 3-6
-STATE_NATS = 1.0
 
 
 def state_drifts(r: dict) -> list[str]:
