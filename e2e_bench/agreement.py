@@ -74,7 +74,8 @@ def logprob_agreement(ref: list[int], ref_lp: list, out: list[int], out_lp: list
     ``ref_lp`` / ``out_lp``: per generated token ``[logprob of the chosen token, [[token, logprob],
     ...] of the server's top tokens]``. Over the tokens both answers share (the same context for
     both servers) ``drift`` is the largest difference of the chosen token's logprob: bf16 numerics
-    keep it near 0, a wrong state moves it. Where the answers part, ``gap`` is how decided each
+    keep it near 0, a wrong state moves it; ``drift_at`` is the generated token where it is largest
+    (None when they share none). Where the answers part, ``gap`` is how decided each
     server was against the other's token (the larger of the two; infinite when the other's token is
     not among a server's top tokens): below :data:`TIE_NATS` the two tokens were a near tie. None
     when either answer has no logprobs.
@@ -83,11 +84,13 @@ def logprob_agreement(ref: list[int], ref_lp: list, out: list[int], out_lp: list
         return None
     n = agreeing_prefix(ref, out)
     shared = min(n, len(ref_lp), len(out_lp))
-    drift = max((abs(ref_lp[i][0] - out_lp[i][0]) for i in range(shared)), default=0.0)
+    drifts = [abs(ref_lp[i][0] - out_lp[i][0]) for i in range(shared)]
+    drift = max(drifts, default=0.0)
+    drift_at = drifts.index(drift) if drifts else None
     gap = None
     if n < min(len(ref), len(out)) and n < min(len(ref_lp), len(out_lp)):
         def margin(lp, other):
             top = dict((int(t), v) for t, v in lp[1])
             return lp[0] - top[other] if other in top else float("inf")
         gap = max(margin(ref_lp[n], out[n]), margin(out_lp[n], ref[n]))
-    return {"drift": drift, "gap": gap}
+    return {"drift": drift, "drift_at": drift_at, "gap": gap}

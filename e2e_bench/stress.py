@@ -55,6 +55,7 @@ import re
 import shlex
 import sys
 import time
+from collections import Counter
 
 from . import serve
 from .agreement import STATE_NATS, TIE_NATS, agreeing_prefix, distinct_tokens, logprob_agreement
@@ -397,13 +398,15 @@ def parse_metrics(text: str, engine: str = "vllm") -> dict[str, float]:
 # ----------------------------------------------------------------------------- comparison
 
 
-def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> dict:
+def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str],
+            prompt_tokens: dict[str, int] | None = None) -> dict:
     """Agreement of ``got`` with ``oracle`` over the request ids both completed; where both carry
     logprobs (``--logprobs``), also how far apart in probability (``agreement.logprob_agreement``):
     the largest logprob drift over the tokens they share (median and max over requests, and how
     many requests drifted ``TIE_NATS`` or more), how many of the divergences were not near ties (a
     gap of ``TIE_NATS`` or more), and each request's numbers (``per_request``: tokens agreeing,
-    drift, gap or "outside top"). ``identical``: answers equal to the oracle's throughout (with
+    drift and the generated token where it is largest, gap or "outside top", and its prompt's length
+    where ``prompt_tokens`` gives it). ``identical``: answers equal to the oracle's throughout (with
     ``--forced``, every compared one unless the forcing failed)."""
     before, early, compared, answers, drifts, gaps, detail, identical = [], 0, 0, [], [], [], {}, 0
     for rid_ in ids_:
@@ -423,9 +426,11 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str]) -> d
             drifts.append(lp["drift"])
             if lp["gap"] is not None:
                 gaps.append(lp["gap"])
-            detail[rid_] = {"agreeing": n, "drift": round(lp["drift"], 4),
+            detail[rid_] = {"agreeing": n, "drift": round(lp["drift"], 4), "drift_at": lp["drift_at"],
                             "gap": None if lp["gap"] is None else (round(lp["gap"], 4) if math.isfinite(lp["gap"])
                                                                    else "outside top")}
+            if prompt_tokens and rid_ in prompt_tokens:
+                detail[rid_]["prompt_tokens"] = prompt_tokens[rid_]
     row = {"compared": compared, "mean_tokens_before_divergence": (sum(before) / len(before)) if before else None,
            "diverged_within_16": early, "identical": identical, "oracle_distinct_tokens": distinct_tokens(answers)}
     if drifts:
@@ -453,7 +458,8 @@ def summarize(engine: str, plan: dict, oracle: dict, got: dict, scenario: str) -
     calls = [got.get(r["id"], {}).get("abort_status") for r in reqs if r.get("abort")]
     if any(c is not None for c in calls):
         row["abort_endpoint_ok"] = sum(c == 200 for c in calls)
-    row.update(compare(oracle, got, [r["id"] for r in reqs if not r.get("abort")]))
+    row.update(compare(oracle, got, [r["id"] for r in reqs if not r.get("abort")],
+                       {r["id"]: len(r["prompt"]) for r in reqs}))
     return row
 
 
@@ -518,13 +524,14 @@ def spec_args(engine: str, model_type: str, k: int, method: str = "mtp") -> list
 def server_commands(s: serve.Setup, backend: str, args, model_type: str) -> dict[str, list[str]]:
     """Every server one backend's run starts, by tag: ``oracle``, ``stress``, ``spec<k>``
     (``serve.server_command``: the serving benchmark's command, backend flag and all, plus these
-    servers' own arguments; ``--server-arg`` comes last and wins)."""
+    servers' own arguments; ``--server-arg`` comes last and wins, on the stress server before its
+    own ``--stress-server-arg``)."""
     e = s.engine
     stress = (cache_args(e, backend) if "prefix" in args.scenarios else []) + metrics_args(e)
     if args.forced:
         stress += ["--logits-processors", FORCED_PROCESSOR]
     cmds = {"oracle": serve.server_command(s, backend, oracle_args(e) + args.server_arg),
-            "stress": serve.server_command(s, backend, stress + args.server_arg)}
+            "stress": serve.server_command(s, backend, stress + args.server_arg + args.stress_server_arg)}
     for k in args.spec_tokens:
         cmds[spec_tag(args.spec_method, k)] = serve.server_command(
             s, backend, spec_args(e, model_type, k, args.spec_method) + metrics_args(e)
@@ -536,14 +543,24 @@ def plan_key(plan: dict) -> str:
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_key(args, plan: dict) -> str:
-    """What the oracle's tokens and the saved rows are valid for: the plan and the servers."""
+def oracle_key(args, plan: dict) -> str:
+    """What the oracle's tokens are valid for: the plan and the servers' arguments (not the stress
+    server's own, ``--stress-server-arg``)."""
     what = {"plan": plan_key(plan), "engine": args.engine, "model": args.model, "layers": args.layers,
             "tp": args.tp, "server_args": args.server_arg}
     if args.weights != "dummy":  # (keys of runs before the choice stay valid)
         what["weights"] = args.weights
     if args.logprobs:  # an oracle without them cannot be compared in probability
         what["logprobs"] = args.logprobs
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_key(args, plan: dict) -> str:
+    """What the saved rows are valid for: the oracle's key and the stress server's own arguments."""
+    key = oracle_key(args, plan)
+    if not args.stress_server_arg:  # (keys of runs before the option stay valid)
+        return key
+    what = {"oracle": key, "stress_server_args": args.stress_server_arg}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -613,9 +630,9 @@ def oracle_being_made(work: pathlib.Path, backend: str, key: str) -> bool:
     return False
 
 
-def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
-    """Every part saved in ``work`` for ``key``: a failed oracle, the stress server, then MTP and
-    ngram servers by k."""
+def load_parts(work: pathlib.Path, key: str, backends, okey: str | None = None) -> list[dict]:
+    """Every part saved in ``work`` for ``key``: a failed oracle (saved for ``okey``, the oracle's
+    key, where it differs), the stress server, then MTP and ngram servers by k."""
     found = []
     names = list(SPEC_NAMES.values())
     for backend in backends:
@@ -625,7 +642,7 @@ def load_parts(work: pathlib.Path, key: str, backends) -> list[dict]:
             # (rows-flashqla-fault-stress.json is flashqla-fault's stress, not a part of flashqla)
             if part not in ("oracle", "stress") and not spec:
                 continue
-            if (saved := saved_for(path, key)) is not None:
+            if (saved := saved_for(path, okey if part == "oracle" and okey else key)) is not None:
                 order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (2 + names.index(spec[1]), int(spec[2]))
                 found.append((order, {"backend": backend, "part": part, **saved}))
     return [p for _, p in sorted(found, key=lambda t: (list(backends).index(t[1]["backend"]), t[0]))]
@@ -652,9 +669,11 @@ class Budget:
 
 
 def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Path, model_type: str,
-                key: str, budget: Budget) -> list[dict]:
-    """This call's phases for one backend; each server's rows are saved in ``work`` as they come.
-    Returns the rows of servers that could not run (errors, or left out for the budget)."""
+                key: str, budget: Budget, okey: str | None = None) -> list[dict]:
+    """This call's phases for one backend; each server's rows are saved in ``work`` as they come
+    for ``key``, its oracle for ``okey`` (default ``key``). Returns the rows of servers that could
+    not run (errors, or left out for the budget)."""
+    okey = okey or key
     env = serve.backend_env(backend, s.tp, s.engine)
     env[serve.WEIGHTS_ENV] = args.weights
     cmds = server_commands(s, backend, args, model_type)
@@ -675,7 +694,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         row = {"backend": backend, "scenario": tag, "error": error, "crashed": not srv.alive(),
                "log_tail": serve.tail(srv.log_path, 20)}
         problems.append(row)  # (the call fails; its results file shows the part, not this twice)
-        save_part(work, key, backend, tag, [row], info(tag, srv))
+        save_part(work, okey if tag == "oracle" else key, backend, tag, [row], info(tag, srv))
 
     def start(tag) -> serve.Server | None:
         if budget.left() < SERVER_MIN_S:
@@ -683,8 +702,9 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             row = {"backend": backend, "scenario": tag, "error": "left out (budget)"}
             problems.append(row)
             # saved like a part, so that --collect shows it, unless an earlier call measured it
-            if not has_part(work, key, backend, tag):
-                save_part(work, key, backend, tag, [row], {})
+            k = okey if tag == "oracle" else key
+            if not has_part(work, k, backend, tag):
+                save_part(work, k, backend, tag, [row], {})
             return None
         serve.log(f"start {backend} {tag}: {shlex.join(cmds[tag])}")
         srv = serve.Server(cmds[tag], env, work / f"server-{backend}-{tag}.log", s.port)
@@ -704,12 +724,12 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     # the oracle: each request alone on a fresh server (kept in the work directory, so a run can be
     # split into an oracle call and later calls, or made by a run beside this one: --wait-oracle)
     oracle_file = work / f"oracle-{backend}.json"
-    oracle = saved_oracle(work, backend, key)
+    oracle = saved_oracle(work, backend, okey)
     if oracle is not None:
         serve.log(f"oracle {backend}: reusing {oracle_file}")
     elif args.wait_oracle and args.phase in ("stress", "spec"):
         serve.log(f"oracle {backend}: made by the run beside this one; compared once {oracle_file} is there")
-    elif args.oracle_shard != (1, 1) and saved_for(shard_path(work, backend, args.oracle_shard), key):
+    elif args.oracle_shard != (1, 1) and saved_for(shard_path(work, backend, args.oracle_shard), okey):
         serve.log(f"oracle {backend}: reusing {shard_path(work, backend, args.oracle_shard)}")
     else:
         # this run's share of the oracle's requests: all of them, or every N-th from the I-th
@@ -719,7 +739,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         # an earlier call's failed oracle would tell a run waiting beside this one to stop waiting
         part_path(work, backend, "oracle").unlink(missing_ok=True)
         maker = maker_path(work, backend, args.oracle_shard)
-        serve.write_whole(maker, json.dumps({"key": key, "pid": os.getpid()}))
+        serve.write_whole(maker, json.dumps({"key": okey, "pid": os.getpid()}))
         srv = start("oracle")
         if srv is None:
             maker.unlink(missing_ok=True)
@@ -732,12 +752,12 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             done = sum(v["status"] == 200 for v in got.values())
             serve.log(f"{what}: {done} of {len(mine)}")
             if done == len(mine):  # a partial oracle is not kept: the next call redoes it
-                saved = json.dumps({"key": key, "results": got, "info": info("oracle", srv)})
+                saved = json.dumps({"key": okey, "results": got, "info": info("oracle", srv)})
                 if n == 1:
                     serve.write_whole(oracle_file, saved)
                 else:  # the last shard to finish merges them (saved_oracle)
                     serve.write_whole(shard_path(work, backend, args.oracle_shard), saved)
-                    oracle = saved_oracle(work, backend, key)
+                    oracle = saved_oracle(work, backend, okey)
                 part_path(work, backend, "oracle").unlink(missing_ok=True)
             else:
                 failed("oracle", srv, f"{what}: {done} of {len(mine)} oracle requests answered")
@@ -753,17 +773,17 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         nonlocal oracle
         end = min(time.monotonic() + args.wait_oracle, budget.deadline() or float("inf"))
         while oracle is None:
-            making = oracle_being_made(work, backend, key)  # read before the oracle: it ends after saving it
-            oracle = saved_oracle(work, backend, key)
+            making = oracle_being_made(work, backend, okey)  # read before the oracle: it ends after saving it
+            oracle = saved_oracle(work, backend, okey)
             if oracle is None:
-                if has_part(work, key, backend, "oracle"):
+                if has_part(work, okey, backend, "oracle"):
                     serve.log(f"oracle {backend}: the run making it failed ({part_path(work, backend, 'oracle')}); "
                               "its rows are not compared")
                     break
                 if not making and time.monotonic() - began > ORACLE_MAKER_GRACE_S:
                     other = (json.loads(oracle_file.read_text()).get("key") if oracle_file.is_file() else None)
                     serve.log(f"oracle {backend}: no run is making it for this plan and these server arguments "
-                              f"(key {key}" + (f"; {oracle_file.name} holds key {other}" if other else "") +
+                              f"(key {okey}" + (f"; {oracle_file.name} holds key {other}" if other else "") +
                               "); its rows are not compared")
                     break
                 if time.monotonic() >= end:
@@ -989,7 +1009,19 @@ def logprob_cells(r: dict) -> str:
     over = ""
     if r.get("forced") and "logprob_drift_over_tie" in r:
         far = state_drifts(r)
-        named = ", ".join(far[:6]) + (f" and {len(far) - 6} more" if len(far) > 6 else "")
+        per = r.get("per_request") or {}
+
+        def name(k: str) -> str:  # the request, with its prompt's length and where it drifted most
+            d = per[k]
+            where = [f"prompt {d['prompt_tokens']}"] if "prompt_tokens" in d else []
+            where += [f"token {d['drift_at']}"] if d.get("drift_at") is not None else []
+            return f"{k} ({', '.join(where)})" if where else k
+
+        named = ", ".join(map(name, far[:6])) + (f" and {len(far) - 6} more" if len(far) > 6 else "")
+        lengths = Counter(per[k]["prompt_tokens"] for k in far if "prompt_tokens" in per[k])
+        if len(far) > 6 and lengths:  # what the requests named and unnamed have in common
+            named += "; prompts of " + ", ".join(f"{n} token{'s' * (n != 1)}: {c}"
+                                                  for n, c in sorted(lengths.items(), key=lambda t: -t[1])[:3])
         over = f" ({r['logprob_drift_over_tie']} at {TIE_NATS}+, {len(far)} at {STATE_NATS:g}+{': ' + named if far else ''})"
     return (f"{r['logprob_drift_median']:.3f} / {r['logprob_drift_max']:.3f}{over} | "
             f"{r['divergences_not_near_tie']} of {r['divergences']}")
@@ -1031,6 +1063,10 @@ def parse_args(argv):
                    help=f"seconds for this call (0: none): no server starts with less than {SERVER_MIN_S:.0f} s "
                         "left, and the requests' timeouts end with it")
     p.add_argument("--server-arg", action="append", default=[])
+    p.add_argument("--stress-server-arg", action="append", default=[],
+                   help="the stress server's own arguments, after --server-arg and outside the oracle's key: a "
+                        "KV pool small enough that the load preempts, beside an oracle made with a larger one "
+                        "(the oracle answers each request alone, so its pool does not change its answers)")
     serve.add_weights_argument(p)
     p.add_argument("--out-dir", default=str(serve.RESULTS_DIR))
     p.add_argument("--work-dir", default="")
@@ -1100,16 +1136,16 @@ def main(argv=None) -> int:
                 if tag == "oracle" or args.phase in ("all", tag.rstrip("0123456789")):
                     print(f"# {b} {tag}\n{shlex.join(cmd)}")
         return 0
-    key = run_key(args, plan)
+    key, okey = run_key(args, plan), oracle_key(args, plan)
     budget = Budget(args.budget)
     problems = []
     for backend in [] if args.collect else backends:
-        problems += run_backend(s, backend, args, plan, work, spec["model_type"], key, budget)
+        problems += run_backend(s, backend, args, plan, work, spec["model_type"], key, budget, okey)
     if args.phase == "oracle" and not args.collect:
         return 1 if problems else 0
     # every part measured into this work directory for this plan, this call's and earlier calls'
     parts = load_parts(work, key, [b for b in serve.BACKENDS if b in backends] +
-                       [b for b in serve.BACKENDS if b not in backends])
+                       [b for b in serve.BACKENDS if b not in backends], okey)
     if args.collect and not parts:
         serve.log(f"--collect: {work} holds no part measured for this plan")
         return 1

@@ -141,14 +141,14 @@ def test_compare_in_probability_tells_near_ties_from_clear_divergences():
                                                                                   {3: -2.01, 7: -2.03}, {1: -0.3}])},
         "b": {"tokens": [5, 4, 0, 0], "logprobs": lps([-1.0, -0.2, -1.0, -1.0], [{5: -1.0}, {4: -0.2}, {0: -1.0},
                                                                                {0: -1.0}])}}
-    r = stress.compare(oracle, got, ["a", "b"])
+    r = stress.compare(oracle, got, ["a", "b"], {"a": 3})
     assert r["mean_tokens_before_divergence"] == (2 + 1) / 2
     assert r["logprob_compared"] == 2 and r["divergences"] == 2
     assert r["divergences_not_near_tie"] == 1  # b: its server had no 6 in its top tokens
     assert abs(r["logprob_drift_max"] - 0.02) < 1e-9
     assert stress.logprob_cells(r) == "0.020 / 0.020 | 1 of 2"
-    assert r["per_request"] == {"a": {"agreeing": 2, "drift": 0.02, "gap": 0.05},
-                                "b": {"agreeing": 1, "drift": 0.0, "gap": "outside top"}}
+    assert r["per_request"] == {"a": {"agreeing": 2, "drift": 0.02, "drift_at": 0, "gap": 0.05, "prompt_tokens": 3},
+                                "b": {"agreeing": 1, "drift": 0.0, "drift_at": 0, "gap": "outside top"}}
     # answers without logprobs (an earlier oracle) are compared in tokens only
     assert "logprob_drift_max" not in stress.compare({"a": {"tokens": toks}}, got, ["a"])
 
@@ -835,14 +835,23 @@ def test_forced_answers_compare_every_position(tmp_path, monkeypatch):
         assert r["logprob_drift_over_tie"] == 0
 
     rows = run({"stress"}, "skewed")
+    plan = stress.plan_requests(stress.parse_args(_stand_in_runs(monkeypatch, tmp_path / "plan", requests=8,
+                                                                 max_prompt=300)))
     for name in ("load", "prefix", "prefix-after-eviction"):
         r = rows[name]
         assert r["identical"] == r["compared"] > 0  # forced: the same tokens,
         assert r["logprob_drift_over_tie"] == r["compared"]  # other probabilities at every request
         assert abs(r["logprob_drift_median"] - 1.89) < 0.02, r
         assert len(stress.state_drifts(r)) == r["compared"]  # each at 1.89 nats: past the state line
+        # each request with its prompt's length (the plan's) and where it drifted: its second token
+        lengths = {q["id"]: len(q["prompt"]) for q in plan[name if name != "prefix-after-eviction" else "prefix"]}
+        for rid_, d in r["per_request"].items():
+            assert d["drift_at"] == 1 and d["prompt_tokens"] == lengths[rid_], (rid_, d)
         cells = stress.logprob_cells(r)
-        assert f"{r['compared']} at 1+: " in cells and sorted(r["per_request"])[0] in cells, cells
+        first = sorted(r["per_request"])[0]
+        assert f"{r['compared']} at 1+: " in cells and f"{first} (prompt {lengths[first]}, token 1)" in cells, cells
+        if r["compared"] > 6:  # past the six named, what they all have in common: their prompts' lengths
+            assert "; prompts of " in cells, cells
     rows = run({"stress"}, "skewed-free", forced=False)
     for name in ("load", "prefix", "prefix-after-eviction"):
         r = rows[name]  # free: each answer parts at its second token, and the one shared token agrees
@@ -851,3 +860,32 @@ def test_forced_answers_compare_every_position(tmp_path, monkeypatch):
         stress.parse_args(["--engine", "vllm", "--forced"])  # nothing to compare without logprobs
     with pytest.raises(SystemExit):
         stress.parse_args(["--engine", "sglang", "--forced", "--logprobs", "2"])
+
+
+def test_the_stress_servers_own_arguments_keep_the_oracle(tmp_path, monkeypatch):
+    """--stress-server-arg (a pool small enough to preempt): only the stress server gets it, after
+    --server-arg; the oracle made without it is reused, not made again, and the rows measured with
+    it are another run's (a collect without it does not mix them in)."""
+    common = _stand_in_runs(monkeypatch, tmp_path / "work", requests=8, max_prompt=300)
+    common += ["--server-arg=--kv-cache-memory-bytes=2147483648", "--spec-tokens"]
+    out = tmp_path / "out"
+    assert stress.main([*common, "--phase", "oracle", "--port", str(_free_port())]) == 0
+    small = ["--stress-server-arg=--kv-cache-memory-bytes=805306368"]
+    assert stress.main([*common, *small, "--phase", "stress", "--port", str(_free_port()),
+                        "--out-dir", str(out)]) == 0, _failed_rows(out)
+    assert _StandInServer.starts == ["server-flashqla-oracle", "server-flashqla-stress"]
+    (path,) = out.glob("*.json")
+    cmds = json.loads(path.read_text())["meta"]["backends"]["flashqla"]["server_commands"]
+    assert cmds["stress"].endswith("--kv-cache-memory-bytes=2147483648 --kv-cache-memory-bytes=805306368")
+    rows = {r["scenario"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["load"]["compared"] == rows["load"]["completed"] > 0
+    args = stress.parse_args(common)
+    with_small = stress.parse_args([*common, *small])
+    plan = stress.plan_requests(args)
+    assert stress.oracle_key(args, plan) == stress.oracle_key(with_small, plan) == stress.run_key(args, plan)
+    assert stress.run_key(with_small, plan) != stress.run_key(args, plan)
+    assert "805306368" not in " ".join(stress.server_commands(
+        serve.Setup("vllm", model_dir="m", tp=1, max_len=1024), "flashqla", with_small,
+        "qwen3_next")["oracle"])
+    # the rows of the small pool are not the default pool's: a collect without the option finds none
+    assert stress.main([*common, "--collect", "--out-dir", str(tmp_path / "other")]) == 1
