@@ -75,7 +75,7 @@ def logprob_agreement(ref: list[int], ref_lp: list, out: list[int], out_lp: list
     ...] of the server's top tokens]``. Over the tokens both answers share (the same context for
     both servers) ``drift`` is the largest difference of the chosen token's logprob: bf16 numerics
     keep it near 0, a wrong state moves it; ``drift_at`` is the generated token where it is largest
-    (None when they share none). Where the answers part, ``gap`` is how decided each
+    (None when they share none), ``drifts`` the difference at each shared token. Where the answers part, ``gap`` is how decided each
     server was against the other's token (the larger of the two; infinite when the other's token is
     not among a server's top tokens): below :data:`TIE_NATS` the two tokens were a near tie. None
     when either answer has no logprobs.
@@ -93,4 +93,4 @@ def logprob_agreement(ref: list[int], ref_lp: list, out: list[int], out_lp: list
             top = dict((int(t), v) for t, v in lp[1])
             return lp[0] - top[other] if other in top else float("inf")
         gap = max(margin(ref_lp[n], out[n]), margin(out_lp[n], ref[n]))
-    return {"drift": drift, "drift_at": drift_at, "gap": gap}
+    return {"drift": drift, "drift_at": drift_at, "drifts": drifts, "gap": gap}

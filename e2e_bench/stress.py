@@ -405,8 +405,8 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str],
     the largest logprob drift over the tokens they share (median and max over requests, and how
     many requests drifted ``TIE_NATS`` or more), how many of the divergences were not near ties (a
     gap of ``TIE_NATS`` or more), and each request's numbers (``per_request``: tokens agreeing,
-    drift and the generated token where it is largest, gap or "outside top", and its prompt's length
-    where ``prompt_tokens`` gives it). ``identical``: answers equal to the oracle's throughout (with
+    drift and the generated token where it is largest, gap or "outside top", its prompt's length
+    where ``prompt_tokens`` gives it, and at ``STATE_NATS`` or more the drift at every token). ``identical``: answers equal to the oracle's throughout (with
     ``--forced``, every compared one unless the forcing failed)."""
     before, early, compared, answers, drifts, gaps, detail, identical = [], 0, 0, [], [], [], {}, 0
     for rid_ in ids_:
@@ -431,6 +431,8 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str],
                                                                    else "outside top")}
             if prompt_tokens and rid_ in prompt_tokens:
                 detail[rid_]["prompt_tokens"] = prompt_tokens[rid_]
+            if lp["drift"] >= STATE_NATS:  # past the state line: the drift token by token, to read its shape
+                detail[rid_]["drifts"] = [round(x, 3) for x in lp["drifts"]]
     row = {"compared": compared, "mean_tokens_before_divergence": (sum(before) / len(before)) if before else None,
            "diverged_within_16": early, "identical": identical, "oracle_distinct_tokens": distinct_tokens(answers)}
     if drifts:

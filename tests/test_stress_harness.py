@@ -847,6 +847,7 @@ def test_forced_answers_compare_every_position(tmp_path, monkeypatch):
         lengths = {q["id"]: len(q["prompt"]) for q in plan[name if name != "prefix-after-eviction" else "prefix"]}
         for rid_, d in r["per_request"].items():
             assert d["drift_at"] == 1 and d["prompt_tokens"] == lengths[rid_], (rid_, d)
+            assert d["drifts"][0] == 0 and min(d["drifts"][1:]) >= stress.STATE_NATS, d  # from the second token on
         cells = stress.logprob_cells(r)
         first = sorted(r["per_request"])[0]
         assert f"{r['compared']} at 1+: " in cells and f"{first} (prompt {lengths[first]}, token 1)" in cells, cells
