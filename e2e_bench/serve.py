@@ -106,6 +106,47 @@ def cpu_set() -> str:
     return f"{','.join(ranges)} ({len(cpus)})"
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """A kernel CPU list (``0-3,8,10-11``) as CPU numbers."""
+    out: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def gpu_local_cpus(gpus: list[int], bus_ids: dict[int, str], allowed: set[int],
+                   pci_root: str = "/sys/bus/pci/devices") -> list[int]:
+    """The CPUs of ``allowed`` on the NUMA node(s) of ``gpus`` (``bus_ids``: GPU index to its PCI bus
+    id as ``nvidia-smi`` prints it): servers that take turns on the same GPUs then run on the same
+    CPUs, the ones nearest their GPUs. Raises ValueError naming the GPU whose CPUs are unknown."""
+    local: set[int] = set()
+    for g in gpus:
+        if g not in bus_ids:
+            raise ValueError(f"GPU {g}: no PCI bus id (nvidia-smi lists GPUs {sorted(bus_ids)})")
+        dom, _, rest = bus_ids[g].strip().lower().partition(":")
+        path = pathlib.Path(pci_root) / f"{dom[-4:]}:{rest}" / "local_cpulist"  # 00000000:18:00.0 -> 0000:18:00.0
+        try:
+            local |= set(parse_cpu_list(path.read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"GPU {g}: no CPU list at {path} ({e})") from None
+    cpus = sorted(local & allowed)
+    if not cpus:
+        raise ValueError(f"GPUs {gpus}: none of their local CPUs {sorted(local)} is allowed here")
+    return cpus
+
+
+def local_cpus_of(gpus: str) -> str:
+    """``gpu_local_cpus`` for a slot's GPUs (``0,1``) on this machine, as a ``taskset`` list; the bus
+    ids from ``nvidia-smi``, the CPU lists from sysfs (``QLA_PCI_ROOT`` stands in for it)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    bus_ids = {int(i): b.strip() for i, _, b in (line.partition(",") for line in out.splitlines() if "," in line)}
+    cpus = gpu_local_cpus([int(g) for g in gpus.split(",")], bus_ids, set(os.sched_getaffinity(0)),
+                          os.environ.get("QLA_PCI_ROOT", "/sys/bus/pci/devices"))
+    return ",".join(map(str, cpus))
+
+
 # ----------------------------------------------------------------------------- models
 
 

@@ -20,7 +20,8 @@
 # memory in QLA_SERVE_ARGS): they then measure in turns, one server at a time, each with its own vLLM cache.
 # QLA_SPLIT_CPUS=even gives each slot of serve-split / stress-split an equal share of the CPUs of its
 # own (taskset), so that servers side by side do not run on each other's cores (a concurrency-1 step
-# is host-bound: docs/e2e.md, "Host time").
+# is host-bound: docs/e2e.md, "Host time"); QLA_SPLIT_CPUS=local pins each slot to the CPUs of its
+# GPUs' NUMA node instead, so that servers taking turns on the same GPUs run on the same, nearest CPUs.
 # stress (the reliability harness, e2e_bench/stress.py, arguments in QLA_STRESS_ARGS; logs back as
 # $OUT/stress-logs.tar.xz).
 # stress-split (the reliability harness's servers side by side: QLA_STRESS_SPLIT="GPUS:BACKEND:PHASE[:K,K...|:I/N] ...",
@@ -81,7 +82,7 @@ PY
   sha256sum "$1"/*.so
 }
 side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's matches shown, default all]
-  local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out
+  local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out local_cpus
   local -a extra pin cpus
   local stamp nslots per turns
   stamp=$(date +%s%N) nslots=$(wc -w <<<"$slots")
@@ -109,11 +110,17 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
       [[ $phase != oracle || -z $ks ]] || extra+=(--oracle-shard "$ks")
     fi
     pin=()
-    if [[ -n ${QLA_SPLIT_CPUS:-} ]]; then
-      [[ $QLA_SPLIT_CPUS == even ]] && ((per > 0)) \
-        || { echo "QLA_SPLIT_CPUS=$QLA_SPLIT_CPUS: 'even' is the one split, with a CPU per slot at least (${#cpus[@]} CPUs)"; return 2; }
-      pin=(taskset -c "$(IFS=,; echo "${cpus[*]:i * per:per}")")
-    fi
+    case ${QLA_SPLIT_CPUS:-} in
+      '') ;;
+      even)
+        ((per > 0)) || { echo "QLA_SPLIT_CPUS=even: a CPU per slot at least (${#cpus[@]} CPUs, $nslots slots)"; return 2; }
+        pin=(taskset -c "$(IFS=,; echo "${cpus[*]:i * per:per}")") ;;
+      local)
+        local_cpus=$(python3 -c 'import sys; from e2e_bench.serve import local_cpus_of; print(local_cpus_of(sys.argv[1]))' "$gpus") \
+          || { echo "QLA_SPLIT_CPUS=local: no CPUs local to GPUs $gpus"; return 2; }
+        pin=(taskset -c "$local_cpus") ;;
+      *) echo "QLA_SPLIT_CPUS=$QLA_SPLIT_CPUS: 'even' (an equal share per slot) or 'local' (the CPUs nearest the slot's GPUs)"; return 2 ;;
+    esac
     CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-}${turns:+-$i} "${pin[@]}" python3 -m "$module" $args \
       --backends "$backend" "${extra[@]}" --port $((8321 + 100 * i)) --out-dir "$out" >"$log" 2>&1 &
     i=$((i + 1))

@@ -648,9 +648,55 @@ def test_servers_side_by_side_get_cpus_of_their_own(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     modes = [line.split("lockstep: ")[1] for line in r.stdout.splitlines() if "] lockstep: " in line]
     assert len(modes) == 2 and all(m.endswith(":2:turns") for m in modes), r.stdout
+    # local: each slot on its GPUs' NUMA node (a stand-in nvidia-smi and sysfs), slots in turns on the same CPUs
+    bin_dir, pci = tmp_path / "bin", tmp_path / "pci"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\ncase "$*" in *pci.bus_id*) printf "0, 00000000:18:00.0\\n'
+                                        '1, 00000000:9A:00.0\\n";; *) echo "Stand-in GPU, 0, 1 MiB";; esac\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    half = len(cpus) // 2
+    for bus, node in (("0000:18:00.0", cpus[:half]), ("0000:9a:00.0", cpus[half:])):
+        (pci / bus).mkdir(parents=True)
+        (pci / bus / "local_cpulist").write_text(",".join(map(str, node)) + "\n")
+    env.update(QLA_SPLIT_CPUS="local", QLA_PCI_ROOT=str(pci), PATH=f"{bin_dir}:{env['PATH']}",
+               QLA_SERVE_SPLIT="1:flashqla 0:triton")
+    r = run()
+    assert r.returncode == 0, r.stdout + r.stderr
+    by_log, log = {}, None  # each slot's log (named by its GPU) and the CPUs it logged
+    for line in r.stdout.splitlines():
+        log = line[3:] if line.startswith("-- ") else log
+        if "] CPUs: " in line:
+            by_log.setdefault(log, line.split("CPUs: ")[1])
+    assert by_log == {"qla-serve-split-gpu1-flashqla.log": _cpu_text(cpus[half:]),
+                      "qla-serve-split-gpu0-triton.log": _cpu_text(cpus[:half])}, r.stdout
+    env["QLA_SERVE_SPLIT"] = "0:flashqla 0:triton"
+    r = run()
+    sets = [line.split("CPUs: ")[1] for line in r.stdout.splitlines() if "] CPUs: " in line]
+    assert r.returncode == 0 and sets[:2] == [_cpu_text(cpus[:half])] * 2, r.stdout
+    env["QLA_SERVE_SPLIT"] = "2:flashqla"  # a GPU nvidia-smi does not list: a clear refusal
+    r = run()
+    assert r.returncode != 0 and "no CPUs local to GPUs 2" in r.stdout, r.stdout
     env["QLA_SPLIT_CPUS"] = "odd"
     r = run()
-    assert r.returncode != 0 and "'even' is the one split" in r.stdout
+    assert r.returncode != 0 and "'even' (an equal share per slot) or 'local'" in r.stdout
+
+
+def test_local_cpus_are_the_gpus_numa_nodes_within_the_allowed(tmp_path):
+    """gpu_local_cpus: the sysfs CPU list of each GPU's PCI device (bus id as nvidia-smi prints it),
+    united over a slot's GPUs and cut to the CPUs this process may use; a clear error otherwise."""
+    for bus, text in (("0000:18:00.0", "0-3,8-9\n"), ("0000:9a:00.0", "4-7\n")):
+        (tmp_path / bus).mkdir()
+        (tmp_path / bus / "local_cpulist").write_text(text)
+    ids = {0: "00000000:18:00.0", 1: "00000000:9A:00.0"}
+    assert serve.parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert serve.gpu_local_cpus([0], ids, set(range(16)), str(tmp_path)) == [0, 1, 2, 3, 8, 9]
+    assert serve.gpu_local_cpus([0, 1], ids, set(range(6)), str(tmp_path)) == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="GPU 2: no PCI bus id"):
+        serve.gpu_local_cpus([2], ids, set(range(16)), str(tmp_path))
+    with pytest.raises(ValueError, match="none of their local CPUs"):
+        serve.gpu_local_cpus([1], ids, {0, 1}, str(tmp_path))
+    with pytest.raises(ValueError, match="GPU 0: no CPU list"):
+        serve.gpu_local_cpus([0], ids, {0}, str(tmp_path / "elsewhere"))
 
 
 def _cpu_text(cpus: list[int]) -> str:
