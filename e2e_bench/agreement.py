@@ -75,10 +75,10 @@ def logprob_agreement(ref: list[int], ref_lp: list, out: list[int], out_lp: list
     ...] of the server's top tokens]``. Over the tokens both answers share (the same context for
     both servers) ``drift`` is the largest difference of the chosen token's logprob: bf16 numerics
     keep it near 0, a wrong state moves it; ``drift_at`` is the generated token where it is largest
-    (None when they share none), ``drifts`` the difference at each shared token. Where the answers part, ``gap`` is how decided each
-    server was against the other's token (the larger of the two; infinite when the other's token is
-    not among a server's top tokens): below :data:`TIE_NATS` the two tokens were a near tie. None
-    when either answer has no logprobs.
+    (None when they share none), ``drifts`` the difference at each shared token. Where the answers
+    part, ``gap`` is how decided each server was against the other's token (the larger of the two;
+    infinite when the other's token is not among a server's top tokens): below :data:`TIE_NATS` the
+    two tokens were a near tie. None when either answer has no logprobs.
     """
     if not ref_lp or not out_lp:
         return None

@@ -125,7 +125,8 @@ def gpu_local_cpus(gpus: list[int], bus_ids: dict[int, str], allowed: set[int],
         if g not in bus_ids:
             raise ValueError(f"GPU {g}: no PCI bus id (nvidia-smi lists GPUs {sorted(bus_ids)})")
         dom, _, rest = bus_ids[g].strip().lower().partition(":")
-        path = pathlib.Path(pci_root) / f"{dom[-4:]}:{rest}" / "local_cpulist"  # 00000000:18:00.0 -> 0000:18:00.0
+        # nvidia-smi's 00000000:9A:00.0 is sysfs's 0000:9a:00.0
+        path = pathlib.Path(pci_root) / f"{dom[-4:]}:{rest}" / "local_cpulist"
         try:
             local |= set(parse_cpu_list(path.read_text()))
         except (OSError, ValueError) as e:
@@ -141,7 +142,8 @@ def local_cpus_of(gpus: str) -> str:
     ids from ``nvidia-smi``, the CPU lists from sysfs (``QLA_PCI_ROOT`` stands in for it)."""
     out = subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    bus_ids = {int(i): b.strip() for i, _, b in (line.partition(",") for line in out.splitlines() if "," in line)}
+    rows = (line.partition(",") for line in out.splitlines() if "," in line)
+    bus_ids = {int(i): bus.strip() for i, _, bus in rows}
     cpus = gpu_local_cpus([int(g) for g in gpus.split(",")], bus_ids, set(os.sched_getaffinity(0)),
                           os.environ.get("QLA_PCI_ROOT", "/sys/bus/pci/devices"))
     return ",".join(map(str, cpus))

@@ -406,8 +406,9 @@ def compare(oracle: dict[str, dict], got: dict[str, dict], ids_: list[str],
     many requests drifted ``TIE_NATS`` or more), how many of the divergences were not near ties (a
     gap of ``TIE_NATS`` or more), and each request's numbers (``per_request``: tokens agreeing,
     drift and the generated token where it is largest, gap or "outside top", its prompt's length
-    where ``prompt_tokens`` gives it, and at ``STATE_NATS`` or more the drift at every token). ``identical``: answers equal to the oracle's throughout (with
-    ``--forced``, every compared one unless the forcing failed)."""
+    where ``prompt_tokens`` gives it, and at ``STATE_NATS`` or more the drift at every token).
+    ``identical``: answers equal to the oracle's throughout (with ``--forced``, every compared one
+    unless the forcing failed)."""
     before, early, compared, answers, drifts, gaps, detail, identical = [], 0, 0, [], [], [], {}, 0
     for rid_ in ids_:
         o_res, g_res = oracle.get(rid_) or {}, got.get(rid_) or {}
