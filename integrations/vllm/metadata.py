@@ -76,6 +76,16 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
     qla_spec_keep: torch.Tensor | None = None
 
 
+def as_qla_metadata(md: GDNAttentionMetadata) -> QlaGDNAttentionMetadata:
+    """vLLM's step metadata ``md`` as ours, sharing its fields (ours at their defaults), without
+    the dataclass ``__init__`` of its ~30 fields: the build runs once per GDN group and step on the
+    host's critical path, all that is ours in a FULL-graph decode step."""
+    out = object.__new__(QlaGDNAttentionMetadata)
+    out.__dict__.update(vars(md))
+    out.qla_bound = {}  # (the one field of ours whose default is no class attribute)
+    return out
+
+
 def prefill_query_lens_cpu(
     query_start_loc_cpu: torch.Tensor,
     num_reqs: int,
@@ -166,8 +176,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                            num_decode_draft_tokens_cpu, fast_build)
         if not self.qla_requested:
             return md
-        fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
-        out = QlaGDNAttentionMetadata(**fields)
+        out = as_qla_metadata(md)
         m = common_attn_metadata
         # host: which rows have drafts (None: none has), read once for the helpers below
         spec_mask = (None if md.spec_sequence_masks is None
@@ -203,7 +212,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                                "as the slot's last request left it, as with vLLM's own GDN kernels")
             return None
         prefilling = prefilling[:n]
-        if not bool(prefilling.any()):
+        if not any(prefilling.tolist()):  # (a list: half the host time of a tensor's any())
             return None  # (every decode step without new requests ends here)
         lens = m.query_start_loc_cpu[: n + 1].diff()
         fresh = prefilling & (lens == 1) & (seq_lens[:n] == 1)

@@ -56,6 +56,31 @@ def test_decode_only_step_has_no_plan(layer, flashqla_config):
     assert md.num_prefills == 0 and md.qla_plan is None
 
 
+def test_our_metadata_is_vllms_with_our_fields_at_their_defaults(layer, flashqla_config):
+    """The builder hands vLLM's step metadata on as ours without re-running the dataclass: every
+    vLLM field the same object, ours at their defaults (the step's own bound-launch dict), as the
+    dataclass would have made it from vLLM's fields."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    from qla_serving.integrations.vllm.metadata import QlaGDNAttentionMetadata, as_qla_metadata
+
+    builder = metadata_builder(layer, flashqla_config)
+    m = common_metadata([1, 1, 37], [5, 9, 0], [4, 7, 9])
+    md = GDNAttentionMetadataBuilder.build(builder, 0, m)
+    ours = as_qla_metadata(md)
+    made = QlaGDNAttentionMetadata(**{f.name: getattr(md, f.name) for f in dataclasses.fields(md)})
+    assert isinstance(ours, QlaGDNAttentionMetadata)
+    for f in dataclasses.fields(QlaGDNAttentionMetadata):
+        got, want = getattr(ours, f.name), getattr(made, f.name)
+        assert got is want or (f.name == "qla_bound" and got == want == {}), f.name
+    assert ours.qla_bound is not as_qla_metadata(md).qla_bound  # a dict per step, not shared
+    ours.qla_plan = "set on ours"
+    assert not hasattr(md, "qla_plan")  # vLLM's object untouched
+    assert dataclasses.replace(ours).num_prefill_tokens == md.num_prefill_tokens == 37
+
+
 def test_plan_is_built_once_per_step_for_all_groups(layer, flashqla_config):
     """Two KV-cache groups (two builders) of one step share one plan object."""
     m = common_metadata([1, 40, 90], [3, 0, 10], [2, 5, 8])
