@@ -633,6 +633,12 @@ def oracle_being_made(work: pathlib.Path, backend: str, key: str) -> bool:
     return False
 
 
+def part_key(part: str, key: str, okey: str | None) -> str:
+    """The key a saved part is valid for: a failed oracle's is the oracle's (``okey``, where given),
+    every other part's the run's (``key``)."""
+    return okey if part == "oracle" and okey else key
+
+
 def load_parts(work: pathlib.Path, key: str, backends, okey: str | None = None) -> list[dict]:
     """Every part saved in ``work`` for ``key``: a failed oracle (saved for ``okey``, the oracle's
     key, where it differs), the stress server, then MTP and ngram servers by k."""
@@ -645,7 +651,7 @@ def load_parts(work: pathlib.Path, key: str, backends, okey: str | None = None) 
             # (rows-flashqla-fault-stress.json is flashqla-fault's stress, not a part of flashqla)
             if part not in ("oracle", "stress") and not spec:
                 continue
-            if (saved := saved_for(path, okey if part == "oracle" and okey else key)) is not None:
+            if (saved := saved_for(path, part_key(part, key, okey))) is not None:
                 order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (2 + names.index(spec[1]), int(spec[2]))
                 found.append((order, {"backend": backend, "part": part, **saved}))
     return [p for _, p in sorted(found, key=lambda t: (list(backends).index(t[1]["backend"]), t[0]))]
@@ -697,7 +703,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         row = {"backend": backend, "scenario": tag, "error": error, "crashed": not srv.alive(),
                "log_tail": serve.tail(srv.log_path, 20)}
         problems.append(row)  # (the call fails; its results file shows the part, not this twice)
-        save_part(work, okey if tag == "oracle" else key, backend, tag, [row], info(tag, srv))
+        save_part(work, part_key(tag, key, okey), backend, tag, [row], info(tag, srv))
 
     def start(tag) -> serve.Server | None:
         if budget.left() < SERVER_MIN_S:
@@ -705,7 +711,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             row = {"backend": backend, "scenario": tag, "error": "left out (budget)"}
             problems.append(row)
             # saved like a part, so that --collect shows it, unless an earlier call measured it
-            k = okey if tag == "oracle" else key
+            k = part_key(tag, key, okey)
             if not has_part(work, k, backend, tag):
                 save_part(work, k, backend, tag, [row], {})
             return None
