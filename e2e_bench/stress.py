@@ -67,6 +67,8 @@ FORCED_PROCESSOR = "qla_serving.integrations.vllm.forced:ForcedTokens"
 FORCED_KEY = "qla_forced_tokens"
 
 SCENARIOS = ("bad", "abort", "load", "prefix")
+LOAD_SENDS = ("arrivals", "one-at-a-time", "together")
+LOAD_SENDING = {"load_send": "arrivals", "load_max_prompt": 0}  # the plan's load as planned
 PHASES = ("all", "oracle", "stress", "spec")
 EARLY = 16  # a divergence within a request's first EARLY tokens counts as early
 BLOCK_UNALIGNED_PREFIXES = (97, 1000, 1537, 4099, 12345)
@@ -561,13 +563,27 @@ def oracle_key(args, plan: dict) -> str:
 def run_key(args, plan: dict) -> str:
     """What the saved rows are valid for: the oracle's key and the stress server's own arguments."""
     key = oracle_key(args, plan)
-    if not args.stress_server_arg:  # (keys of runs before the option stay valid)
+    sending = {"load_send": args.load_send, "load_max_prompt": args.load_max_prompt}
+    if not args.stress_server_arg and sending == LOAD_SENDING:  # (keys of runs before the options stay valid)
         return key
     what = {"oracle": key, "stress_server_args": args.stress_server_arg}
+    if sending != LOAD_SENDING:
+        what.update(sending)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- saved parts
+
+
+def load_requests(args, reqs: list[dict]) -> list[dict]:
+    """The load scenario's requests as the stress server gets them: the plan's, or (``--load-max-prompt``)
+    those whose prompts are that short, at their arrival times, one at a time, or all at once
+    (``--load-send``)."""
+    if args.load_max_prompt:
+        reqs = [r for r in reqs if len(r["prompt"]) <= args.load_max_prompt]
+    if args.load_send == "together":
+        reqs = [{**r, "at": 0.0} for r in reqs]
+    return reqs
 
 
 def part_path(work: pathlib.Path, backend: str, part: str) -> pathlib.Path:
@@ -814,7 +830,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         if srv is not None:
             # every scenario's row in order; the request scenarios' answers are scored against the
             # oracle after the last one (a run beside this one may still be making it)
-            rows, unscored = [], []  # unscored: (row, the plan's scenario, the answers)
+            rows, unscored = [], []  # unscored: (row, the plan's scenario, the answers, the requests sent)
             counted = [metrics()]  # the server's counters before the scenarios, then after each row
 
             def count(row: dict) -> None:
@@ -845,13 +861,17 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                   f"served after {rows[-1]['served_after']}")
                     else:
                         concurrent = scenario != "prefix"
-                        reqs = forced_requests(plan[scenario], forcing)
+                        sent = plan[scenario]
+                        if scenario == "load":
+                            sent = load_requests(args, sent)
+                            concurrent = args.load_send != "one-at-a-time"
+                        reqs = forced_requests(sent, forcing)
                         got = asyncio.run(run_requests(s.engine, s.port, reqs, concurrent,
                                                        deadline=budget.deadline(), logprobs=args.logprobs))
                         rows.append({"scenario": scenario, "crashed": srv.crashed(),
                                      "seconds": round(time.monotonic() - t0, 1)})
                         count(rows[-1])
-                        unscored.append((rows[-1], scenario, got))
+                        unscored.append((rows[-1], scenario, got, sent))
                         if scenario == "prefix":  # again, after unrelated long prompts push the cache out
                             t0 = time.monotonic()
                             flood = [{"id": f"flood-{i}", "prompt": ids(random.Random(i), args.max_prompt),
@@ -863,7 +883,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                             rows.append({"scenario": "prefix-after-eviction", "crashed": srv.crashed(),
                                          "seconds": round(time.monotonic() - t0, 1)})
                             count(rows[-1])  # the flood's requests included
-                            unscored.append((rows[-1], scenario, again))
+                            unscored.append((rows[-1], scenario, again, sent))
                         serve.log(f"{backend} {scenario}: {sum(g.get('status') == 200 for g in got.values())} "
                                   f"of {len(got)} answered 200 ({rows[-1]['seconds']} s)")
                     if rows[-1]["crashed"]:
@@ -872,10 +892,10 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 # the server's totals: the last reading (no request ran after it)
                 m = {} if rows and rows[-1].get("crashed") else counted[-1]
                 orc = the_oracle() if unscored else oracle
-                for row, scenario, got in unscored:
+                for row, scenario, got, sent in unscored:
                     # the summary's own scenario name gives way to the row's (prefix-after-eviction)
-                    row.update({**compared(summarize(s.engine, plan, orc or {}, got, scenario), orc), **row,
-                                "backend": backend})
+                    row.update({**compared(summarize(s.engine, {scenario: sent}, orc or {}, got, scenario), orc),
+                                **row, "backend": backend})
                     if forcing is not None:
                         row["forced"] = True
                 for row in rows:
@@ -1076,6 +1096,13 @@ def parse_args(argv):
                    help="the stress server's own arguments, after --server-arg and outside the oracle's key: a "
                         "KV pool small enough that the load preempts, beside an oracle made with a larger one "
                         "(the oracle answers each request alone, so its pool does not change its answers)")
+    p.add_argument("--load-send", choices=LOAD_SENDS, default=LOAD_SENDING["load_send"],
+                   help="the stress server's load scenario: its requests at their Poisson arrival times, one "
+                        "at a time, or all at once (outside the oracle's key: the same requests, the same "
+                        "oracle, another batching)")
+    p.add_argument("--load-max-prompt", type=int, default=LOAD_SENDING["load_max_prompt"], metavar="N",
+                   help="the stress server's load scenario sends only the requests whose prompts have at most "
+                        "N tokens (0: all; outside the oracle's key)")
     serve.add_weights_argument(p)
     p.add_argument("--out-dir", default=str(serve.RESULTS_DIR))
     p.add_argument("--work-dir", default="")
@@ -1098,6 +1125,8 @@ def parse_args(argv):
     for name in ("requests", "aborts", "suffixes", "max_prompt", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.load_max_prompt < 0:
+        p.error(f"--load-max-prompt {args.load_max_prompt}: must be >= 0 (0: every request)")
     if args.rate <= 0:
         p.error(f"--rate {args.rate}: must be > 0")
     if any(k < 1 or k > 8 for k in args.spec_tokens):

@@ -890,3 +890,36 @@ def test_the_stress_servers_own_arguments_keep_the_oracle(tmp_path, monkeypatch)
         "qwen3_next")["oracle"])
     # the rows of the small pool are not the default pool's: a collect without the option finds none
     assert stress.main([*common, "--collect", "--out-dir", str(tmp_path / "other")]) == 1
+
+
+def test_the_load_sent_another_way_keeps_the_oracle_and_scores_what_was_sent(tmp_path, monkeypatch):
+    """--load-max-prompt / --load-send (the short prompts alone, one at a time or all at once):
+    the oracle of the plan is reused, only the chosen requests reach the stress server, the load
+    row counts and compares those, and the rows are another run's."""
+    common = _stand_in_runs(monkeypatch, tmp_path / "work", requests=40, max_prompt=300)
+    common += ["--spec-tokens", "--logprobs", "2", "--forced"]
+    assert stress.main([*common, "--phase", "oracle", "--port", str(_free_port())]) == 0
+    args = stress.parse_args(common)
+    plan = stress.plan_requests(args)
+    short = [r for r in plan["load"] if len(r["prompt"]) <= 20]
+    assert 0 < len(short) < len(plan["load"])
+    for how in ("one-at-a-time", "together"):
+        out = tmp_path / how
+        sending = ["--load-max-prompt", "20", "--load-send", how]
+        assert stress.main([*common, *sending, "--phase", "stress", "--port", str(_free_port()),
+                            "--out-dir", str(out)]) == 0, _failed_rows(out)
+        rows = {r["scenario"]: r for r in json.loads(next(out.glob("*.json")).read_text())["rows"]}
+        load = rows["load"]
+        assert load["sent"] == load["completed"] == load["compared"] == len(short), load
+        assert load["identical"] == len(short) and set(load["per_request"]) == {r["id"] for r in short}
+        load_prompts = {tuple(r["prompt"]) for r in plan["load"]}
+        sent = [tuple(b["prompt"]) for b in _StandInServer.fakes["stress"].bodies if tuple(b.get("prompt", ())) in load_prompts]
+        assert sorted(sent) == sorted(tuple(r["prompt"]) for r in short)
+        with_sending = stress.parse_args([*common, *sending])
+        assert stress.oracle_key(with_sending, plan) == stress.oracle_key(args, plan)
+        assert stress.run_key(with_sending, plan) != stress.run_key(args, plan)
+    assert _StandInServer.starts == ["server-flashqla-oracle"] + ["server-flashqla-stress"] * 2
+    assert stress.load_requests(stress.parse_args([*common, "--load-send", "together"]), short)[-1]["at"] == 0.0
+    assert stress.load_requests(args, plan["load"]) == plan["load"]  # as planned by default
+    with pytest.raises(SystemExit):
+        stress.parse_args([*common, "--load-max-prompt", "-1"])
