@@ -849,7 +849,7 @@ def test_forced_answers_compare_every_position(tmp_path, monkeypatch):
             assert d["drift_at"] == 1 and d["prompt_tokens"] == lengths[rid_], (rid_, d)
             assert d["drifts"][0] == 0 and min(d["drifts"][1:]) >= stress.STATE_NATS, d  # from the second token on
         cells = stress.logprob_cells(r)
-        first = sorted(r["per_request"])[0]
+        first = min(r["per_request"])
         assert f"{r['compared']} at 1+: " in cells and f"{first} (prompt {lengths[first]}, token 1)" in cells, cells
         if r["compared"] > 6:  # past the six named, what they all have in common: their prompts' lengths
             assert "; prompts of " in cells, cells
