@@ -60,24 +60,29 @@ def run_step(layer, vllm_config, query, context, slots, mixed_qkv, a, b):
     return out, md
 
 
-@pytest.mark.parametrize("num_decodes, prefill_lens, fresh", [(0, [70], None), (3, [70, 5, 130], 1), (4, [], 2)])
+@pytest.mark.parametrize("num_decodes, prefill_lens, fresh", [(0, [70], None), (3, [70, 5, 130], 1), (4, [], 2),
+                                                             (2, [70, 1, 2, 130], (3, 4))])
 @pytest.mark.parametrize("prefill_inputs", ["split", "packed"])
 def test_step_matches_float64_oracle(flashqla_config, distributed, monkeypatch, num_decodes, prefill_lens, fresh,
                                      prefill_inputs):
     """``packed`` (the default): the prefill takes the conv output and the raw gate inputs; ``split``:
     vLLM's fused_post_conv_prep output (QLA_PREFILL_PACKED=0). ``fresh``: that one-token row is a
     new request whose prompt is one token (nothing computed before): vLLM runs it as a decode, on a
-    slot holding its previous request's state, and it must start from zero like a prefill."""
+    slot holding its previous request's state, and it must start from zero like a prefill; a tuple:
+    those prefill rows are new requests too (one and two tokens behind a longer prefill)."""
     monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
     check_step(flashqla_config, monkeypatch, "cpu", num_decodes, prefill_lens, fresh, prefill_inputs)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_decodes, prefill_lens, fresh", [(3, [70, 5, 130], 1), (4, [], 2)])
+@pytest.mark.parametrize("num_decodes, prefill_lens, fresh", [(3, [70, 5, 130], 1), (4, [], 2),
+                                                             (2, [70, 1, 2, 130], (3, 4))])
 def test_step_on_the_gpu_matches_float64_oracle(flashqla_config, distributed, monkeypatch, num_decodes,
                                                 prefill_lens, fresh):
     """The same step through our kernels and vLLM's Triton conv, a fresh one-token prompt among the
-    decode rows (its slot zeroed by the builder before the decode kernel reads it)."""
+    decode rows (its slot zeroed by the builder before the decode kernel reads it); or fresh prompts
+    of one and two tokens behind a longer prefill, where vLLM's batch order puts a new request
+    (after every row with context), so that the GDN split makes them prefill rows."""
     check_step(flashqla_config, monkeypatch, "cuda", num_decodes, prefill_lens, fresh, "packed")
 
 
@@ -96,8 +101,8 @@ def check_step(flashqla_config, monkeypatch, device, num_decodes, prefill_lens, 
     query = [1] * num_decodes + prefill_lens
     context = [rng.randint(1, 400) for _ in range(num_decodes)] + [
         rng.choice([0, rng.randint(1, 400)]) for _ in prefill_lens]
-    if fresh is not None:
-        context[fresh] = 0
+    for row in (fresh,) if isinstance(fresh, int) else fresh or ():
+        context[row] = 0
     slots = rng.sample(range(1, NUM_SLOTS), len(query))
     T = sum(query)
     H, HV, K, V = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
