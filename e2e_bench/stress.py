@@ -67,7 +67,10 @@ FORCED_PROCESSOR = "qla_serving.integrations.vllm.forced:ForcedTokens"
 FORCED_KEY = "qla_forced_tokens"
 
 SCENARIOS = ("bad", "abort", "load", "prefix")
-LOAD_SENDS = ("arrivals", "one-at-a-time", "together")
+LOAD_SENDS = ("arrivals", "one-at-a-time", "together", "behind-prefill", "ahead-of-prefill")
+# --load-send behind- / ahead-of-prefill: each request sent with a new prompt of this many tokens
+# (one step's prefill: under vLLM's and SGLang's token budgets), a pair every PAIR_SPACING_S
+COMPANION_PROMPT, PAIR_SPACING_S = 1024, 0.25
 LOAD_SENDING = {"load_send": "arrivals", "load_max_prompt": 0}  # the plan's load as planned
 PHASES = ("all", "oracle", "stress", "spec")
 EARLY = 16  # a divergence within a request's first EARLY tokens counts as early
@@ -575,15 +578,26 @@ def run_key(args, plan: dict) -> str:
 # ----------------------------------------------------------------------------- saved parts
 
 
-def load_requests(args, reqs: list[dict]) -> list[dict]:
-    """The load scenario's requests as the stress server gets them: the plan's, or (``--load-max-prompt``)
-    those whose prompts are that short, at their arrival times, one at a time, or all at once
-    (``--load-send``)."""
+def load_requests(args, reqs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The load scenario's requests as the stress server gets them (``--load-send``), and all it is
+    sent: the plan's, or (``--load-max-prompt``) those whose prompts are that short, at their
+    arrival times, one at a time, or all at once; or each beside a new prompt of its own
+    (``companion-<id>``, one token asked, not compared) sent just before it (``behind-prefill``:
+    both new in one step, vLLM's batch order puts the companion's prefill row first) or just after
+    it (``ahead-of-prefill``), a pair every ``PAIR_SPACING_S``."""
     if args.load_max_prompt:
         reqs = [r for r in reqs if len(r["prompt"]) <= args.load_max_prompt]
     if args.load_send == "together":
         reqs = [{**r, "at": 0.0} for r in reqs]
-    return reqs
+    if args.load_send not in ("behind-prefill", "ahead-of-prefill"):
+        return reqs, reqs
+    reqs = [{**r, "at": i * PAIR_SPACING_S} for i, r in enumerate(reqs)]
+    sent = []
+    for i, r in enumerate(reqs):
+        companion = {"id": f"companion-{r['id']}", "prompt": ids(random.Random(f"companion-{i}"), COMPANION_PROMPT),
+                     "max_tokens": 1, "at": r["at"], "companion": True}
+        sent += [companion, r] if args.load_send == "behind-prefill" else [r, companion]
+    return reqs, sent
 
 
 def part_path(work: pathlib.Path, backend: str, part: str) -> pathlib.Path:
@@ -861,11 +875,11 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                                   f"served after {rows[-1]['served_after']}")
                     else:
                         concurrent = scenario != "prefix"
-                        sent = plan[scenario]
+                        sent = to_send = plan[scenario]
                         if scenario == "load":
-                            sent = load_requests(args, sent)
+                            sent, to_send = load_requests(args, sent)
                             concurrent = args.load_send != "one-at-a-time"
-                        reqs = forced_requests(sent, forcing)
+                        reqs = forced_requests(to_send, forcing)
                         got = asyncio.run(run_requests(s.engine, s.port, reqs, concurrent,
                                                        deadline=budget.deadline(), logprobs=args.logprobs))
                         rows.append({"scenario": scenario, "crashed": srv.crashed(),
@@ -1098,8 +1112,10 @@ def parse_args(argv):
                         "(the oracle answers each request alone, so its pool does not change its answers)")
     p.add_argument("--load-send", choices=LOAD_SENDS, default=LOAD_SENDING["load_send"],
                    help="the stress server's load scenario: its requests at their Poisson arrival times, one "
-                        "at a time, or all at once (outside the oracle's key: the same requests, the same "
-                        "oracle, another batching)")
+                        "at a time, all at once, or each with a new 1024-token prompt sent just before it "
+                        "(behind-prefill: in vLLM's batch order its row comes after that prefill's) or just "
+                        "after it (outside the oracle's key: the same requests, the same oracle, another "
+                        "batching; the companions are not compared)")
     p.add_argument("--load-max-prompt", type=int, default=LOAD_SENDING["load_max_prompt"], metavar="N",
                    help="the stress server's load scenario sends only the requests whose prompts have at most "
                         "N tokens (0: all; outside the oracle's key)")

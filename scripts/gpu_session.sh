@@ -30,6 +30,8 @@
 # or spec (the K speculative servers, comparing once the stress run's oracle is there; spec:METHOD:K,K...
 # names the slot's proposer, mtp or ngram, over --spec-method),
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
+# stress-pair (two stress runs side by side on GPUs 0 and 1, QLA_STRESS_PAIR="ARGS0|ARGS1" after the common
+# QLA_STRESS_ARGS, each in its own work directory with a carried oracle, .device/stress-oracle, unpacked into it).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz; with QLA_DOCKERFILE=docker/Dockerfile.vllm the wheel goes in by that
 # Dockerfile's pip line, offline, into a fresh environment over the image and the bundles: the
@@ -230,6 +232,23 @@ for step in "$@"; do
         python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --out-dir "$OUT" || rc=$?
         tar -C /tmp --exclude='*/model' -cJf "$OUT/stress-logs.tar.xz" $(cd /tmp && ls -d qla-stress-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/stress.log" | tail -60 ;;
+    stress-pair)
+      # two stress runs side by side, one per GPU, each in a work directory of its own (their rows
+      # share a name) with the common QLA_STRESS_ARGS and its own half of QLA_STRESS_PAIR="ARGS0|ARGS1"
+      # (another batching of the same requests against the same oracle: --load-send ...); an oracle
+      # carried in .device/stress-oracle/oracle.tar.xz goes into both first. Results in $OUT/s0, $OUT/s1.
+      ( stop_leftover_servers
+        IFS='|' read -r -a halves <<<"${QLA_STRESS_PAIR:?ARGS0|ARGS1}"
+        work=${QLA_STRESS_PAIR_DIR:-/tmp/qla-stress-pair}
+        for i in 0 1; do
+          mkdir -p "$work-$i" "$OUT/s$i"
+          [[ ! -f $here/.device/stress-oracle/oracle.tar.xz ]] || tar -C "$work-$i" -xJf "$here/.device/stress-oracle/oracle.tar.xz"
+          CUDA_VISIBLE_DEVICES=$i VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-$i python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} ${halves[i]} \
+            --work-dir "$work-$i" --port $((8321 + 100 * i)) --out-dir "$OUT/s$i" >"$OUT/s$i/stress.log" 2>&1 &
+        done
+        rc=0; for job in $(jobs -p); do wait "$job" || rc=1; done
+        grep -hE "healthy|load:|wrote|FAILED|died|budget|rror" "$OUT"/s*/stress.log | cut -c1-300
+        exit $rc ) 2>&1 | tee "$OUT/stress-pair.log" | tail -40 ;;
     caches-save)
       # the JIT caches a cold start fills (Triton's: vLLM's and FLA's kernels; FlashInfer's: its JIT
       # modules, e.g. SGLang's all-reduce fusion at TP > 1), back in pieces a call can return, so that

@@ -903,7 +903,7 @@ def test_the_load_sent_another_way_keeps_the_oracle_and_scores_what_was_sent(tmp
     plan = stress.plan_requests(args)
     short = [r for r in plan["load"] if len(r["prompt"]) <= 20]
     assert 0 < len(short) < len(plan["load"])
-    for how in ("one-at-a-time", "together"):
+    for how in ("one-at-a-time", "together", "behind-prefill", "ahead-of-prefill"):
         out = tmp_path / how
         sending = ["--load-max-prompt", "20", "--load-send", how]
         assert stress.main([*common, *sending, "--phase", "stress", "--port", str(_free_port()),
@@ -913,13 +913,48 @@ def test_the_load_sent_another_way_keeps_the_oracle_and_scores_what_was_sent(tmp
         assert load["sent"] == load["completed"] == load["compared"] == len(short), load
         assert load["identical"] == len(short) and set(load["per_request"]) == {r["id"] for r in short}
         load_prompts = {tuple(r["prompt"]) for r in plan["load"]}
-        sent = [tuple(b["prompt"]) for b in _StandInServer.fakes["stress"].bodies if tuple(b.get("prompt", ())) in load_prompts]
+        bodies = _StandInServer.fakes["stress"].bodies
+        sent = [tuple(b["prompt"]) for b in bodies if tuple(b.get("prompt", ())) in load_prompts]
         assert sorted(sent) == sorted(tuple(r["prompt"]) for r in short)
+        companions = [b for b in bodies if len(b.get("prompt", ())) == stress.COMPANION_PROMPT]
+        if how.endswith("prefill"):  # one new 1024-token prompt beside each, asked for one token, not compared
+            assert len(companions) == len(short) and {b["max_tokens"] for b in companions} == {1}
+            assert not any(k.startswith("companion-") for k in load["per_request"])
+        else:
+            assert not companions
         with_sending = stress.parse_args([*common, *sending])
         assert stress.oracle_key(with_sending, plan) == stress.oracle_key(args, plan)
         assert stress.run_key(with_sending, plan) != stress.run_key(args, plan)
-    assert _StandInServer.starts == ["server-flashqla-oracle"] + ["server-flashqla-stress"] * 2
-    assert stress.load_requests(stress.parse_args([*common, "--load-send", "together"]), short)[-1]["at"] == 0.0
-    assert stress.load_requests(args, plan["load"]) == plan["load"]  # as planned by default
+    assert _StandInServer.starts == ["server-flashqla-oracle"] + ["server-flashqla-stress"] * 4
+    assert stress.load_requests(stress.parse_args([*common, "--load-send", "together"]), short)[0][-1]["at"] == 0.0
+    assert stress.load_requests(args, plan["load"]) == (plan["load"], plan["load"])  # as planned by default
+    for how, first in (("behind-prefill", "companion-"), ("ahead-of-prefill", "load-")):
+        scored, sent = stress.load_requests(stress.parse_args([*common, "--load-send", how]), short)
+        assert [r["id"] for r in scored] == [r["id"] for r in short] and len(sent) == 2 * len(short)
+        # each pair at the same moment, in the order asked, a pair every PAIR_SPACING_S
+        assert all(a["at"] == b["at"] == i * stress.PAIR_SPACING_S for i, (a, b) in enumerate(zip(sent[::2], sent[1::2])))
+        assert all(a["id"].startswith(first) for a in sent[::2])
     with pytest.raises(SystemExit):
         stress.parse_args([*common, "--load-max-prompt", "-1"])
+
+
+def test_a_pair_of_stress_runs_side_by_side(tmp_path):
+    """gpu_session.sh stress-pair: two harness runs, one per GPU, each with its half of
+    QLA_STRESS_PAIR after the common arguments, its own work directory and port (here dry runs,
+    which print the servers they would start)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "QLA_STAGE": str(tmp_path / "stage"),
+           "QLA_STRESS_PAIR_DIR": str(tmp_path / "pair"),
+           "QLA_STRESS_ARGS": "--engine vllm --layers 4 --requests 10 --max-prompt 300 --longest 0 --dry-run",
+           "QLA_STRESS_PAIR": "--load-send behind-prefill --backends flashqla|--load-send ahead-of-prefill --backends default"}
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run(["bash", str(repo / "scripts/gpu_session.sh"), "stress-pair"], env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    logs = [(tmp_path / "out" / f"s{i}" / "stress.log").read_text() for i in (0, 1)]
+    assert f"{tmp_path / 'pair-0'}/model" in logs[0] and "--port 8321" in logs[0] and "# flashqla stress" in logs[0]
+    assert f"{tmp_path / 'pair-1'}/model" in logs[1] and "--port 8421" in logs[1] and "# default stress" in logs[1]
+    assert "# default" not in logs[0] and "# flashqla" not in logs[1]
+    env["QLA_STRESS_ARGS"] += " --load-send sideways"  # a bad argument fails the step
+    r = subprocess.run(["bash", str(repo / "scripts/gpu_session.sh"), "stress-pair"], env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode != 0
