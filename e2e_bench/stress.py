@@ -595,7 +595,7 @@ def load_requests(args, reqs: list[dict]) -> tuple[list[dict], list[dict]]:
     sent = []
     for i, r in enumerate(reqs):
         companion = {"id": f"companion-{r['id']}", "prompt": ids(random.Random(f"companion-{i}"), COMPANION_PROMPT),
-                     "max_tokens": 1, "at": r["at"], "companion": True}
+                     "max_tokens": 1, "at": r["at"]}
         sent += [companion, r] if args.load_send == "behind-prefill" else [r, companion]
     return reqs, sent
 

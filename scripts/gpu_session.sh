@@ -31,7 +31,8 @@
 # names the slot's proposer, mtp or ngram, over --spec-method),
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
 # stress-pair (two stress runs side by side on GPUs 0 and 1, QLA_STRESS_PAIR="ARGS0|ARGS1" after the common
-# QLA_STRESS_ARGS, each in its own work directory with a carried oracle, .device/stress-oracle, unpacked into it).
+# QLA_STRESS_ARGS, each in its own work directory with a carried oracle, .device/stress-oracle, unpacked into it;
+# the servers' logs back as $OUT/stress-pair-logs.tar.xz).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz; with QLA_DOCKERFILE=docker/Dockerfile.vllm the wheel goes in by that
 # Dockerfile's pip line, offline, into a fresh environment over the image and the bundles: the
@@ -248,6 +249,8 @@ for step in "$@"; do
         done
         rc=0; for job in $(jobs -p); do wait "$job" || rc=1; done
         grep -hE "healthy|load:|wrote|FAILED|died|budget|rror" "$OUT"/s*/stress.log | cut -c1-300
+        logs=$(cd "$(dirname "$work")" && ls "${work##*/}"-*/*.log 2>/dev/null)
+        [[ -z $logs ]] || tar -C "$(dirname "$work")" -cJf "$OUT/stress-pair-logs.tar.xz" $logs
         exit $rc ) 2>&1 | tee "$OUT/stress-pair.log" | tail -40 ;;
     caches-save)
       # the JIT caches a cold start fills (Triton's: vLLM's and FLA's kernels; FlashInfer's: its JIT

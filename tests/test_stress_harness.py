@@ -12,6 +12,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from typing import ClassVar
@@ -947,9 +948,13 @@ def test_a_pair_of_stress_runs_side_by_side(tmp_path):
            "QLA_STRESS_ARGS": "--engine vllm --layers 4 --requests 10 --max-prompt 300 --longest 0 --dry-run",
            "QLA_STRESS_PAIR": "--load-send behind-prefill --backends flashqla|--load-send ahead-of-prefill --backends default"}
     repo = pathlib.Path(__file__).resolve().parents[1]
+    (tmp_path / "pair-1").mkdir()
+    (tmp_path / "pair-1" / "server-flashqla-stress.log").write_text("a server's log\n")
     r = subprocess.run(["bash", str(repo / "scripts/gpu_session.sh"), "stress-pair"], env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
+    with tarfile.open(tmp_path / "out" / "stress-pair-logs.tar.xz") as tar:  # the servers' logs come back
+        assert tar.getnames() == ["pair-1/server-flashqla-stress.log"]
     logs = [(tmp_path / "out" / f"s{i}" / "stress.log").read_text() for i in (0, 1)]
     assert f"{tmp_path / 'pair-0'}/model" in logs[0] and "--port 8321" in logs[0] and "# flashqla stress" in logs[0]
     assert f"{tmp_path / 'pair-1'}/model" in logs[1] and "--port 8421" in logs[1] and "# default stress" in logs[1]
