@@ -68,9 +68,12 @@ FORCED_KEY = "qla_forced_tokens"
 
 SCENARIOS = ("bad", "abort", "load", "prefix")
 LOAD_SENDS = ("arrivals", "one-at-a-time", "together", "behind-prefill", "ahead-of-prefill")
-# --load-send behind- / ahead-of-prefill: each request sent with a new prompt of this many tokens
-# (one step's prefill: under vLLM's and SGLang's token budgets), a pair every PAIR_SPACING_S
-COMPANION_PROMPT, PAIR_SPACING_S = 1024, 0.25
+# --load-send behind- / ahead-of-prefill: each request sent with a new prompt of this many tokens,
+# PAIR_GAP_S apart (the first sent first), a pair every PAIR_SPACING_S. With a token budget of 2048
+# per step (--stress-server-arg=--max-num-batched-tokens=2048) the companion's prefill takes three
+# steps, the second and third of them as a chunked-prefill continuation, which vLLM's batch order
+# puts before every new request: a request sent behind it joins the third step behind its row.
+COMPANION_PROMPT, PAIR_GAP_S, PAIR_SPACING_S = 6000, 0.005, 0.25
 LOAD_SENDING = {"load_send": "arrivals", "load_max_prompt": 0}  # the plan's load as planned
 PHASES = ("all", "oracle", "stress", "spec")
 EARLY = 16  # a divergence within a request's first EARLY tokens counts as early
@@ -582,21 +585,23 @@ def load_requests(args, reqs: list[dict]) -> tuple[list[dict], list[dict]]:
     """The load scenario's requests as the stress server gets them (``--load-send``), and all it is
     sent: the plan's, or (``--load-max-prompt``) those whose prompts are that short, at their
     arrival times, one at a time, or all at once; or each beside a new prompt of its own
-    (``companion-<id>``, one token asked, not compared) sent just before it (``behind-prefill``:
-    both new in one step, vLLM's batch order puts the companion's prefill row first) or just after
-    it (``ahead-of-prefill``), a pair every ``PAIR_SPACING_S``."""
+    (``companion-<id>``, one token asked, not compared) sent ``PAIR_GAP_S`` before it
+    (``behind-prefill``: the request's row comes after the companion's prefill row in vLLM's batch
+    order) or after it (``ahead-of-prefill``: the request is scheduled first), a pair every
+    ``PAIR_SPACING_S``."""
     if args.load_max_prompt:
         reqs = [r for r in reqs if len(r["prompt"]) <= args.load_max_prompt]
     if args.load_send == "together":
         reqs = [{**r, "at": 0.0} for r in reqs]
     if args.load_send not in ("behind-prefill", "ahead-of-prefill"):
         return reqs, reqs
-    reqs = [{**r, "at": i * PAIR_SPACING_S} for i, r in enumerate(reqs)]
+    behind = args.load_send == "behind-prefill"
+    reqs = [{**r, "at": i * PAIR_SPACING_S + (PAIR_GAP_S if behind else 0.0)} for i, r in enumerate(reqs)]
     sent = []
     for i, r in enumerate(reqs):
         companion = {"id": f"companion-{r['id']}", "prompt": ids(random.Random(f"companion-{i}"), COMPANION_PROMPT),
-                     "max_tokens": 1, "at": r["at"]}
-        sent += [companion, r] if args.load_send == "behind-prefill" else [r, companion]
+                     "max_tokens": 1, "at": i * PAIR_SPACING_S + (0.0 if behind else PAIR_GAP_S)}
+        sent += [companion, r] if behind else [r, companion]
     return reqs, sent
 
 
@@ -1112,10 +1117,11 @@ def parse_args(argv):
                         "(the oracle answers each request alone, so its pool does not change its answers)")
     p.add_argument("--load-send", choices=LOAD_SENDS, default=LOAD_SENDING["load_send"],
                    help="the stress server's load scenario: its requests at their Poisson arrival times, one "
-                        "at a time, all at once, or each with a new 1024-token prompt sent just before it "
-                        "(behind-prefill: in vLLM's batch order its row comes after that prefill's) or just "
-                        "after it (outside the oracle's key: the same requests, the same oracle, another "
-                        "batching; the companions are not compared)")
+                        "at a time, all at once, or each with a new 6000-token prompt sent just before it "
+                        "(behind-prefill: with --stress-server-arg=--max-num-batched-tokens=2048 its row comes "
+                        "after that prefill's continuation in vLLM's batch order) or just after it (outside the "
+                        "oracle's key: the same requests, the same oracle, another batching; the companions "
+                        "are not compared)")
     p.add_argument("--load-max-prompt", type=int, default=LOAD_SENDING["load_max_prompt"], metavar="N",
                    help="the stress server's load scenario sends only the requests whose prompts have at most "
                         "N tokens (0: all; outside the oracle's key)")

@@ -918,7 +918,7 @@ def test_the_load_sent_another_way_keeps_the_oracle_and_scores_what_was_sent(tmp
         sent = [tuple(b["prompt"]) for b in bodies if tuple(b.get("prompt", ())) in load_prompts]
         assert sorted(sent) == sorted(tuple(r["prompt"]) for r in short)
         companions = [b for b in bodies if len(b.get("prompt", ())) == stress.COMPANION_PROMPT]
-        if how.endswith("prefill"):  # one new 1024-token prompt beside each, asked for one token, not compared
+        if how.endswith("prefill"):  # one new prompt beside each, asked for one token, not compared
             assert len(companions) == len(short) and {b["max_tokens"] for b in companions} == {1}
             assert not any(k.startswith("companion-") for k in load["per_request"])
         else:
@@ -932,8 +932,9 @@ def test_the_load_sent_another_way_keeps_the_oracle_and_scores_what_was_sent(tmp
     for how, first in (("behind-prefill", "companion-"), ("ahead-of-prefill", "load-")):
         scored, sent = stress.load_requests(stress.parse_args([*common, "--load-send", how]), short)
         assert [r["id"] for r in scored] == [r["id"] for r in short] and len(sent) == 2 * len(short)
-        # each pair at the same moment, in the order asked, a pair every PAIR_SPACING_S
-        assert all(a["at"] == b["at"] == i * stress.PAIR_SPACING_S for i, (a, b) in enumerate(zip(sent[::2], sent[1::2])))
+        # a pair every PAIR_SPACING_S, its second request PAIR_GAP_S after the first, in the order asked
+        assert all(a["at"] == pytest.approx(i * stress.PAIR_SPACING_S) and b["at"] == pytest.approx(a["at"] + stress.PAIR_GAP_S)
+                   for i, (a, b) in enumerate(zip(sent[::2], sent[1::2])))
         assert all(a["id"].startswith(first) for a in sent[::2])
     with pytest.raises(SystemExit):
         stress.parse_args([*common, "--load-max-prompt", "-1"])
