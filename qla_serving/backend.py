@@ -45,6 +45,14 @@ def bound_launches() -> bool:
     return os.environ.get("QLA_BOUND_LAUNCH", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def fresh_rows_on_decode() -> bool:
+    """Whether the vLLM adapter, with ``QLA_FRESH_ON_DECODE=1``, runs a new one-token prompt's
+    first token on the decode kernel also where vLLM's split makes it a prefill row (behind a
+    longer row of the step), as it does alone or among decodes: its answer then does not depend on
+    its place in the batch. Off by default (docs/e2e.md, "The one-token tail")."""
+    return os.environ.get("QLA_FRESH_ON_DECODE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 @functools.lru_cache(maxsize=None)
 def device_unsupported_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run on ``device`` at all, or None when they can."""

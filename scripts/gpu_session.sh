@@ -30,9 +30,10 @@
 # or spec (the K speculative servers, comparing once the stress run's oracle is there; spec:METHOD:K,K...
 # names the slot's proposer, mtp or ngram, over --spec-method),
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
-# stress-pair (two stress runs side by side on GPUs 0 and 1, QLA_STRESS_PAIR="ARGS0|ARGS1" after the common
-# QLA_STRESS_ARGS, each in its own work directory with a carried oracle, .device/stress-oracle, unpacked into it;
-# the servers' logs back as $OUT/stress-pair-logs.tar.xz).
+# stress-runs (stress runs side by side, run i on GPU i, QLA_STRESS_RUNS="ARGS0|ARGS1|..." after the common
+# QLA_STRESS_ARGS, each in its own work directory with a carried oracle, .device/stress-oracle, unpacked into it,
+# QLA_STRESS_ORACLE_COPY="FROM:TO ..." giving backend TO the oracle of FROM; the servers' logs back as
+# $OUT/stress-runs-logs.tar.xz).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz; with QLA_DOCKERFILE=docker/Dockerfile.vllm the wheel goes in by that
 # Dockerfile's pip line, offline, into a fresh environment over the image and the bundles: the
@@ -233,25 +234,30 @@ for step in "$@"; do
         python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} --out-dir "$OUT" || rc=$?
         tar -C /tmp --exclude='*/model' -cJf "$OUT/stress-logs.tar.xz" $(cd /tmp && ls -d qla-stress-* 2>/dev/null)
         exit $rc ) 2>&1 | tee "$OUT/stress.log" | tail -60 ;;
-    stress-pair)
-      # two stress runs side by side, one per GPU, each in a work directory of its own (their rows
-      # share a name) with the common QLA_STRESS_ARGS and its own half of QLA_STRESS_PAIR="ARGS0|ARGS1"
-      # (another batching of the same requests against the same oracle: --load-send ...); an oracle
-      # carried in .device/stress-oracle/oracle.tar.xz goes into both first. Results in $OUT/s0, $OUT/s1.
+    stress-runs)
+      # stress runs side by side, run i on GPU i, each in a work directory of its own (their rows share
+      # a name) with the common QLA_STRESS_ARGS and its own part of QLA_STRESS_RUNS="ARGS0|ARGS1|..."
+      # (another batching of the same requests against the same oracle: --load-send ..., or another
+      # of our backends); an oracle carried in .device/stress-oracle/oracle.tar.xz goes into each
+      # first, and QLA_STRESS_ORACLE_COPY="FROM:TO ..." lets backend TO answer against FROM's oracle
+      # (where alone they answer alike). Results in $OUT/s0, $OUT/s1, ...
       ( stop_leftover_servers
-        IFS='|' read -r -a halves <<<"${QLA_STRESS_PAIR:?ARGS0|ARGS1}"
-        work=${QLA_STRESS_PAIR_DIR:-/tmp/qla-stress-pair}
-        for i in 0 1; do
+        IFS='|' read -r -a parts <<<"${QLA_STRESS_RUNS:?ARGS0|ARGS1|...}"
+        work=${QLA_STRESS_RUNS_DIR:-/tmp/qla-stress-run}
+        for i in "${!parts[@]}"; do
           mkdir -p "$work-$i" "$OUT/s$i"
           [[ ! -f $here/.device/stress-oracle/oracle.tar.xz ]] || tar -C "$work-$i" -xJf "$here/.device/stress-oracle/oracle.tar.xz"
-          CUDA_VISIBLE_DEVICES=$i VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-$i python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} ${halves[i]} \
+          for pair in ${QLA_STRESS_ORACLE_COPY:-}; do
+            [[ ! -f $work-$i/oracle-${pair%%:*}.json ]] || cp "$work-$i/oracle-${pair%%:*}.json" "$work-$i/oracle-${pair#*:}.json"
+          done
+          CUDA_VISIBLE_DEVICES=$i VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-$i python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} ${parts[i]} \
             --work-dir "$work-$i" --port $((8321 + 100 * i)) --out-dir "$OUT/s$i" >"$OUT/s$i/stress.log" 2>&1 &
         done
         rc=0; for job in $(jobs -p); do wait "$job" || rc=1; done
-        grep -hE "healthy|load:|wrote|FAILED|died|budget|rror" "$OUT"/s*/stress.log | cut -c1-300
+        grep -hE "healthy|oracle|load:|wrote|FAILED|died|budget|rror" "$OUT"/s*/stress.log | cut -c1-300
         logs=$(cd "$(dirname "$work")" && ls "${work##*/}"-*/*.log 2>/dev/null)
-        [[ -z $logs ]] || tar -C "$(dirname "$work")" -cJf "$OUT/stress-pair-logs.tar.xz" $logs
-        exit $rc ) 2>&1 | tee "$OUT/stress-pair.log" | tail -40 ;;
+        [[ -z $logs ]] || tar -C "$(dirname "$work")" -cJf "$OUT/stress-runs-logs.tar.xz" $logs
+        exit $rc ) 2>&1 | tee "$OUT/stress-runs.log" | tail -40 ;;
     caches-save)
       # the JIT caches a cold start fills (Triton's: vLLM's and FLA's kernels; FlashInfer's: its JIT
       # modules, e.g. SGLang's all-reduce fusion at TP > 1), back in pieces a call can return, so that

@@ -940,27 +940,33 @@ def test_the_load_sent_another_way_keeps_the_oracle_and_scores_what_was_sent(tmp
         stress.parse_args([*common, "--load-max-prompt", "-1"])
 
 
-def test_a_pair_of_stress_runs_side_by_side(tmp_path):
-    """gpu_session.sh stress-pair: two harness runs, one per GPU, each with its half of
-    QLA_STRESS_PAIR after the common arguments, its own work directory and port (here dry runs,
-    which print the servers they would start)."""
+def test_stress_runs_side_by_side(tmp_path):
+    """gpu_session.sh stress-runs: harness runs side by side, run i on GPU i, each with its part of
+    QLA_STRESS_RUNS after the common arguments, its own work directory and port (here dry runs,
+    which print the servers they would start); the servers' logs come back."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "QLA_STAGE": str(tmp_path / "stage"),
-           "QLA_STRESS_PAIR_DIR": str(tmp_path / "pair"),
+           "QLA_STRESS_RUNS_DIR": str(tmp_path / "run"),
            "QLA_STRESS_ARGS": "--engine vllm --layers 4 --requests 10 --max-prompt 300 --longest 0 --dry-run",
-           "QLA_STRESS_PAIR": "--load-send behind-prefill --backends flashqla|--load-send ahead-of-prefill --backends default"}
+           "QLA_STRESS_RUNS": ("--load-send behind-prefill --backends flashqla|--load-send ahead-of-prefill "
+                               "--backends default|--backends flashqla-fresh-decode")}
     repo = pathlib.Path(__file__).resolve().parents[1]
-    (tmp_path / "pair-1").mkdir()
-    (tmp_path / "pair-1" / "server-flashqla-stress.log").write_text("a server's log\n")
-    r = subprocess.run(["bash", str(repo / "scripts/gpu_session.sh"), "stress-pair"], env=env, capture_output=True,
+    (tmp_path / "run-1").mkdir()
+    (tmp_path / "run-1" / "server-default-stress.log").write_text("a server's log\n")
+    (tmp_path / "run-2").mkdir()  # an oracle another backend answers against (QLA_STRESS_ORACLE_COPY)
+    (tmp_path / "run-2" / "oracle-flashqla.json").write_text('{"key": "k", "results": {}}')
+    env["QLA_STRESS_ORACLE_COPY"] = "flashqla:flashqla-fresh-decode"
+    r = subprocess.run(["bash", str(repo / "scripts/gpu_session.sh"), "stress-runs"], env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    with tarfile.open(tmp_path / "out" / "stress-pair-logs.tar.xz") as tar:  # the servers' logs come back
-        assert tar.getnames() == ["pair-1/server-flashqla-stress.log"]
-    logs = [(tmp_path / "out" / f"s{i}" / "stress.log").read_text() for i in (0, 1)]
-    assert f"{tmp_path / 'pair-0'}/model" in logs[0] and "--port 8321" in logs[0] and "# flashqla stress" in logs[0]
-    assert f"{tmp_path / 'pair-1'}/model" in logs[1] and "--port 8421" in logs[1] and "# default stress" in logs[1]
-    assert "# default" not in logs[0] and "# flashqla" not in logs[1]
+    with tarfile.open(tmp_path / "out" / "stress-runs-logs.tar.xz") as tar:
+        assert tar.getnames() == ["run-1/server-default-stress.log"]
+    logs = [(tmp_path / "out" / f"s{i}" / "stress.log").read_text() for i in (0, 1, 2)]
+    for i, (log, backend) in enumerate(zip(logs, ("flashqla", "default", "flashqla-fresh-decode"))):
+        assert f"{tmp_path / f'run-{i}'}/model" in log and f"--port {8321 + 100 * i}" in log, log
+        assert f"# {backend} stress" in log and log.count(" stress\n") == 1, log
+    copied = tmp_path / "run-2" / "oracle-flashqla-fresh-decode.json"
+    assert copied.read_text() == (tmp_path / "run-2" / "oracle-flashqla.json").read_text()
     env["QLA_STRESS_ARGS"] += " --load-send sideways"  # a bad argument fails the step
-    r = subprocess.run(["bash", str(repo / "scripts/gpu_session.sh"), "stress-pair"], env=env, capture_output=True,
+    r = subprocess.run(["bash", str(repo / "scripts/gpu_session.sh"), "stress-runs"], env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode != 0

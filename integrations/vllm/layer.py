@@ -144,8 +144,10 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                           else "vLLM's fused_post_conv_prep output")
                 launches = ("a step's later GDN layers rerun the first one's bound launches (QLA_BOUND_LAUNCH=1)"
                             if self.qla_bound_launch else "every GDN layer calls the ops")
+                fresh = ("; a new one-token prompt behind a prefill row runs on the decode kernel "
+                         "(QLA_FRESH_ON_DECODE=1)" if backend.fresh_rows_on_decode() else "")
                 logger.info("qla-serving: GDN layers run on flashqla (prefill, decode, speculative verify); "
-                            "the prefill reads %s; %s", inputs, launches)
+                            "the prefill reads %s; %s%s", inputs, launches, fresh)
 
     @staticmethod
     def _qla_unsupported_reason(config, vllm_config) -> str | None:
@@ -252,6 +254,8 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             # (outputs are written in place: plain slices, taken as they are written)
             out = core_attn_out[nd:end] if not spec else None
             o_ns = self._qla_prefill(x_p, a_p, b_p, ssm_state, md, out)
+            if getattr(md, "qla_fresh_prefill_tokens", None) is not None and not spec:
+                self._qla_fresh_rows_on_decode(qkv_ns, a_ns, b_ns, ssm_state, md, core_attn_out)
         elif md.num_decodes > 0:
             # Pure decode: in serving a FULL CUDA graph replays this (two kernels per layer: vLLM's
             # conv update, then our decode reading the conv output and vLLM's slots in place).
@@ -445,6 +449,18 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         )
         if holder:
             md.qla_bound[key] = holder["decode"]
+
+    def _qla_fresh_rows_on_decode(self, x, a, b, ssm_state, md, core_attn_out) -> None:
+        """``QLA_FRESH_ON_DECODE``: each new one-token prompt that ran as a prefill row this step
+        runs again on the decode kernel from the zero state, its output and state replacing the
+        prefill's, as when it runs alone or among decodes (the conv is the same either way)."""
+        tokens, slots = md.qla_fresh_prefill_tokens, md.qla_fresh_prefill_slots
+        ssm_state.index_fill_(0, slots.long(), 0)
+        x_f, a_f, b_f = (t.index_select(0, tokens) for t in (x, a, b))
+        out_f = torch.empty(tokens.shape[0], *core_attn_out.shape[1:], dtype=core_attn_out.dtype,
+                            device=core_attn_out.device)
+        self._qla_decode(x_f, a_f, b_f, ssm_state, slots, out_f)
+        core_attn_out.index_copy_(0, tokens, out_f)
 
     def _qla_bound(self, kind, md, x, a, b, out, ssm_state, *step_tensors):
         """``(launch, key, holder)`` for a ``kind`` op call of this layer with ``QLA_BOUND_LAUNCH``:

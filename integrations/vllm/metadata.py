@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionMetadataBuilder,
 )
 
+from qla_serving import backend
 from qla_serving.plan import PrefillPlan, plan_prefill
 
 from .args import flashqla_requested
@@ -45,6 +46,10 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
             rows the plan keeps, or None when it keeps them all.
         qla_bound: the step's bound launches (``QLA_BOUND_LAUNCH``), filled by its first GDN
             layer and rerun by the others: layout key -> launch.
+        qla_fresh_prefill_tokens: ``[F]`` int64 on the device — with ``QLA_FRESH_ON_DECODE``, the
+            token of each new one-token prompt that vLLM's split made a prefill row; the layer
+            reruns it on the decode kernel from the zero state after the prefill. None otherwise.
+        qla_fresh_prefill_slots: ``[F]`` int32 — their state slots (vLLM's indices).
 
     Speculative servers only (``num_speculative_tokens > 0``; None otherwise):
         qla_resume_src: ``[R]`` int64 on the device — for each one-token row without drafts this
@@ -68,6 +73,8 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
     qla_prefill_has_initial_state: torch.Tensor | None = None
     qla_prefill_rows: torch.Tensor | None = None
     qla_bound: dict = dataclasses.field(default_factory=dict)
+    qla_fresh_prefill_tokens: torch.Tensor | None = None
+    qla_fresh_prefill_slots: torch.Tensor | None = None
     qla_resume_src: torch.Tensor | None = None
     qla_resume_dst: torch.Tensor | None = None
     qla_resume_conv_cols: torch.Tensor | None = None
@@ -163,6 +170,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         self._qla_warned_fresh = False
         self.qla_layer_names = list(layer_names)  # whose states a fresh one-token row's slot zeroes
         self.qla_conv_width = int(getattr(vllm_config.model_config.hf_text_config, "linear_conv_kernel_dim", 4))
+        self.qla_fresh_on_decode = backend.fresh_rows_on_decode()
 
     def build(  # type: ignore[override]
         self,
@@ -190,6 +198,8 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         fresh = None if self._qla_capturing else self._fresh_one_token_rows(m, spec_mask)
         if fresh is not None:
             self._zero_fresh_states(md, fresh, spec_mask)
+            if self.qla_fresh_on_decode and spec_mask is None and md.num_prefills > 0:
+                self._attach_fresh_prefill_rows(out, m, fresh)
         if self.num_spec > 0:
             self._attach_resume(out, m, num_accepted_tokens, spec_mask, fresh)
         return out
@@ -235,6 +245,18 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             for state in getattr(context.get(name), "kv_cache", ()) or ():
                 if isinstance(state, torch.Tensor) and state.numel():
                     state.index_fill_(0, slots, 0)
+
+    def _attach_fresh_prefill_rows(self, md: QlaGDNAttentionMetadata, m, fresh: torch.Tensor) -> None:
+        """The new one-token rows among the prefill rows (``QLA_FRESH_ON_DECODE``): their tokens and
+        slots, for the layer to rerun on the decode kernel (without drafts, rows are tokens' order)."""
+        rows = [r for r in fresh.nonzero().flatten().tolist() if r >= md.num_decodes]
+        if not rows:
+            return
+        starts = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+        dev = md.non_spec_state_indices_tensor.device
+        md.qla_fresh_prefill_tokens = _to_device([starts[r] for r in rows], torch.int64, dev)
+        md.qla_fresh_prefill_slots = md.non_spec_state_indices_tensor.index_select(
+            0, _to_device(rows, torch.int64, dev))
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         # vLLM passes made-up accepted counts here: not the runner's buffer, not a real step

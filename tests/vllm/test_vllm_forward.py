@@ -150,6 +150,36 @@ def check_step(flashqla_config, monkeypatch, device, num_decodes, prefill_lens, 
     assert torch.equal(conv_state[others], conv_before[others])
     if prefill_inputs == "packed":  # the prefill rows went to the packed op, as one conv output
         assert calls == ([(sum(prefill_lens), 2 * H * K + HV * V)] if prefill_lens else [])
+    return slots
+
+
+@pytest.mark.parametrize("on_decode", [False, True])
+def test_new_one_token_rows_behind_a_prefill_can_run_on_the_decode_op(flashqla_config, distributed, monkeypatch,
+                                                                      on_decode):
+    """QLA_FRESH_ON_DECODE=1: a new one-token prompt that vLLM's split made a prefill row (behind a
+    70-token prefill) runs again on the decode op from the zero state after the prefill, as it would
+    alone; the step still matches the float64 oracle. A new two-token prompt stays a prefill."""
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    check_fresh_rows_on_decode(flashqla_config, monkeypatch, "cpu", on_decode)
+
+
+@pytest.mark.gpu
+def test_new_one_token_rows_behind_a_prefill_on_the_decode_kernel_on_the_gpu(flashqla_config, distributed,
+                                                                             monkeypatch):
+    """The same through our kernels and vLLM's Triton conv."""
+    check_fresh_rows_on_decode(flashqla_config, monkeypatch, "cuda", True)
+
+
+def check_fresh_rows_on_decode(flashqla_config, monkeypatch, device, on_decode):
+    import qla_serving
+
+    monkeypatch.setenv("QLA_FRESH_ON_DECODE", "1" if on_decode else "0")
+    decoded = []  # the slots of each decode op call
+    real = qla_serving.gated_delta_rule_decode
+    monkeypatch.setattr(qla_serving, "gated_delta_rule_decode",
+                        lambda *a, **k: decoded.append(a[8].tolist()) or real(*a, **k))
+    slots = check_step(flashqla_config, monkeypatch, device, 2, [70, 1, 2, 130], (3, 4), "packed")
+    assert decoded == ([slots[:2], [slots[3]]] if on_decode else [slots[:2]]), (decoded, slots)
 
 
 def test_decode_continues_a_prefill(flashqla_config, distributed, monkeypatch):
