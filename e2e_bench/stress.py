@@ -569,7 +569,7 @@ def oracle_key(args, plan: dict) -> str:
 def run_key(args, plan: dict) -> str:
     """What the saved rows are valid for: the oracle's key and the stress server's own arguments."""
     key = oracle_key(args, plan)
-    sending = {"load_send": args.load_send, "load_max_prompt": args.load_max_prompt}
+    sending = {name: getattr(args, name) for name in LOAD_SENDING}
     if not args.stress_server_arg and sending == LOAD_SENDING:  # (keys of runs before the options stay valid)
         return key
     what = {"oracle": key, "stress_server_args": args.stress_server_arg}

@@ -254,7 +254,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             # (outputs are written in place: plain slices, taken as they are written)
             out = core_attn_out[nd:end] if not spec else None
             o_ns = self._qla_prefill(x_p, a_p, b_p, ssm_state, md, out)
-            if getattr(md, "qla_fresh_prefill_tokens", None) is not None and not spec:
+            if md.qla_fresh_prefill_tokens is not None:  # (the builder sets it on steps without drafts only)
                 self._qla_fresh_rows_on_decode(qkv_ns, a_ns, b_ns, ssm_state, md, core_attn_out)
         elif md.num_decodes > 0:
             # Pure decode: in serving a FULL CUDA graph replays this (two kernels per layer: vLLM's
