@@ -46,11 +46,13 @@ def bound_launches() -> bool:
 
 
 def fresh_rows_on_decode() -> bool:
-    """Whether the vLLM adapter, with ``QLA_FRESH_ON_DECODE=1``, runs a new one-token prompt's
-    first token on the decode kernel also where vLLM's split makes it a prefill row (behind a
-    longer row of the step), as it does alone or among decodes: its answer then does not depend on
-    its place in the batch. Off by default (docs/e2e.md, "The one-token tail")."""
-    return os.environ.get("QLA_FRESH_ON_DECODE", "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the vLLM adapter runs a new one-token prompt's first token on the decode kernel
+    also where vLLM's split makes it a prefill row (behind a longer row of the step), as it does
+    alone or among decodes, so that its answer does not depend on its place in the batch: the
+    chunked prefill's bf16 intermediates leave a one-token state further from exact than the
+    decode's (docs/e2e.md, "The one-token tail"). On by default; ``QLA_FRESH_ON_DECODE=0`` keeps
+    the prefill's answer."""
+    return os.environ.get("QLA_FRESH_ON_DECODE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @functools.lru_cache(maxsize=None)

@@ -144,8 +144,9 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                           else "vLLM's fused_post_conv_prep output")
                 launches = ("a step's later GDN layers rerun the first one's bound launches (QLA_BOUND_LAUNCH=1)"
                             if self.qla_bound_launch else "every GDN layer calls the ops")
-                fresh = ("; a new one-token prompt behind a prefill row runs on the decode kernel "
-                         "(QLA_FRESH_ON_DECODE=1)" if backend.fresh_rows_on_decode() else "")
+                fresh = ("; a new one-token prompt behind a prefill row runs on the decode kernel"
+                         if backend.fresh_rows_on_decode() else
+                         "; a new one-token prompt behind a prefill row keeps the prefill's answer (QLA_FRESH_ON_DECODE=0)")
                 logger.info("qla-serving: GDN layers run on flashqla (prefill, decode, speculative verify); "
                             "the prefill reads %s; %s%s", inputs, launches, fresh)
 
@@ -451,9 +452,9 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             md.qla_bound[key] = holder["decode"]
 
     def _qla_fresh_rows_on_decode(self, x, a, b, ssm_state, md, core_attn_out) -> None:
-        """``QLA_FRESH_ON_DECODE``: each new one-token prompt that ran as a prefill row this step
-        runs again on the decode kernel from the zero state, its output and state replacing the
-        prefill's, as when it runs alone or among decodes (the conv is the same either way)."""
+        """Each new one-token prompt that ran as a prefill row this step runs again on the decode
+        kernel from the zero state, its output and state replacing the prefill's, as when it runs
+        alone or among decodes (the conv is the same either way)."""
         tokens, slots = md.qla_fresh_prefill_tokens, md.qla_fresh_prefill_slots
         ssm_state.index_fill_(0, slots.long(), 0)
         x_f, a_f, b_f = (t.index_select(0, tokens) for t in (x, a, b))

@@ -46,7 +46,7 @@ class QlaGDNAttentionMetadata(GDNAttentionMetadata):
             rows the plan keeps, or None when it keeps them all.
         qla_bound: the step's bound launches (``QLA_BOUND_LAUNCH``), filled by its first GDN
             layer and rerun by the others: layout key -> launch.
-        qla_fresh_prefill_tokens: ``[F]`` int64 on the device — with ``QLA_FRESH_ON_DECODE``, the
+        qla_fresh_prefill_tokens: ``[F]`` int64 on the device — unless ``QLA_FRESH_ON_DECODE=0``, the
             token of each new one-token prompt that vLLM's split made a prefill row; the layer
             reruns it on the decode kernel from the zero state after the prefill. None otherwise.
         qla_fresh_prefill_slots: ``[F]`` int32 — their state slots (vLLM's indices).
@@ -247,8 +247,9 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                     state.index_fill_(0, slots, 0)
 
     def _attach_fresh_prefill_rows(self, md: QlaGDNAttentionMetadata, m, fresh: torch.Tensor) -> None:
-        """The new one-token rows among the prefill rows (``QLA_FRESH_ON_DECODE``): their tokens and
-        slots, for the layer to rerun on the decode kernel (without drafts, rows are tokens' order)."""
+        """The new one-token rows among the prefill rows (unless ``QLA_FRESH_ON_DECODE=0``): their
+        tokens and slots, for the layer to rerun on the decode kernel (without drafts, rows are
+        tokens' order)."""
         rows = [r for r in fresh.nonzero().flatten().tolist() if r >= md.num_decodes]
         if not rows:
             return

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from qla_vllm_helpers import QWEN35_TEXT, build_gdn_layer, engine_config
+from qla_vllm_helpers import QWEN35_TEXT, build_gdn_layer, engine_config, metadata_builder
 
 from qla_serving.backend import KernelUnavailable
 
@@ -335,6 +335,29 @@ def test_the_start_up_line_names_how_later_layers_launch(flashqla_config, distri
     assert len(msgs) == 1
     said = "rerun the first one's bound launches (QLA_BOUND_LAUNCH=1)" in msgs[0]
     assert said == (bound == "1") and ("every GDN layer calls the ops" in msgs[0]) == (bound == "0")
+
+
+@pytest.mark.parametrize("fresh", [None, "0", "1"])
+def test_new_one_token_rows_go_to_the_decode_kernel_unless_turned_off(flashqla_config, distributed, monkeypatch,
+                                                                      caplog, fresh):
+    """A new one-token prompt that vLLM's split makes a prefill row runs on the decode kernel by
+    default (the builder's flag, and the start-up line says so); QLA_FRESH_ON_DECODE=0 keeps the
+    prefill's answer and the line names the variable."""
+    from qla_serving.integrations.vllm import layer as qla_layer
+
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    if fresh is None:
+        monkeypatch.delenv("QLA_FRESH_ON_DECODE", raising=False)
+    else:
+        monkeypatch.setenv("QLA_FRESH_ON_DECODE", fresh)
+    monkeypatch.setattr(qla_layer, "_announced", False)
+    with caplog.at_level(logging.INFO, logger="vllm.qla_serving"):
+        layer = build_gdn_layer(flashqla_config)
+    assert metadata_builder(layer, flashqla_config).qla_fresh_on_decode == (fresh != "0")
+    msgs = [r.getMessage() for r in caplog.records if "GDN layers run on flashqla" in r.getMessage()]
+    assert len(msgs) == 1
+    assert ("a new one-token prompt behind a prefill row runs on the decode kernel" in msgs[0]) == (fresh != "0")
+    assert ("keeps the prefill's answer (QLA_FRESH_ON_DECODE=0)" in msgs[0]) == (fresh == "0")
 
 
 def test_random_bench_weights_let_the_gdn_layer_reach_the_residual(flashqla_config, distributed):
