@@ -32,8 +32,8 @@
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
 # stress-runs (stress runs side by side, run i on GPU i, QLA_STRESS_RUNS="ARGS0|ARGS1|..." after the common
 # QLA_STRESS_ARGS, each in its own work directory with a carried oracle, .device/stress-oracle, unpacked into it,
-# QLA_STRESS_ORACLE_COPY="FROM:TO ..." giving backend TO the oracle of FROM; the servers' logs back as
-# $OUT/stress-runs-logs.tar.xz).
+# QLA_STRESS_ORACLE_COPY="FROM:TO ..." giving backend TO the oracle of FROM; run i's results and progress
+# back as s<i>/ in $OUT/stress-runs-results.tar.xz, the servers' logs as $OUT/stress-runs-logs.tar.xz).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz; with QLA_DOCKERFILE=docker/Dockerfile.vllm the wheel goes in by that
 # Dockerfile's pip line, offline, into a fresh environment over the image and the bundles: the
@@ -244,7 +244,7 @@ for step in "$@"; do
       # (another batching of the same requests against the same oracle: --load-send ..., or another
       # of our backends); an oracle carried in .device/stress-oracle/oracle.tar.xz goes into each
       # first, and QLA_STRESS_ORACLE_COPY="FROM:TO ..." lets backend TO answer against FROM's oracle
-      # (where alone they answer alike). Results in $OUT/s0, $OUT/s1, ...
+      # (where alone they answer alike). Results in $OUT/s0, $OUT/s1, ..., packed at the end
       ( stop_leftover_servers
         IFS='|' read -r -a parts <<<"${QLA_STRESS_RUNS:?ARGS0|ARGS1|...}"
         work=${QLA_STRESS_RUNS_DIR:-/tmp/qla-stress-run}
@@ -259,6 +259,8 @@ for step in "$@"; do
         done
         rc=0; for job in $(jobs -p); do wait "$job" || rc=1; done
         grep -hE "healthy|oracle|load:|wrote|FAILED|died|budget|rror" "$OUT"/s*/stress.log | cut -c1-300
+        # every run's results and progress in one archive: a call returns at most eight files
+        (cd "$OUT" && tar -cJf stress-runs-results.tar.xz --remove-files s*/) || rc=1
         logs=$(cd "$(dirname "$work")" && ls "${work##*/}"-*/*.log 2>/dev/null)
         [[ -z $logs ]] || tar -C "$(dirname "$work")" -cJf "$OUT/stress-runs-logs.tar.xz" $logs
         exit $rc ) 2>&1 | tee "$OUT/stress-runs.log" | tail -40 ;;

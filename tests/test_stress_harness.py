@@ -960,7 +960,9 @@ def test_stress_runs_side_by_side(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     with tarfile.open(tmp_path / "out" / "stress-runs-logs.tar.xz") as tar:
         assert tar.getnames() == ["run-1/server-default-stress.log"]
-    logs = [(tmp_path / "out" / f"s{i}" / "stress.log").read_text() for i in (0, 1, 2)]
+    assert not list((tmp_path / "out").glob("s[0-9]*")), "the runs' folders go back packed"
+    with tarfile.open(tmp_path / "out" / "stress-runs-results.tar.xz") as tar:
+        logs = [tar.extractfile(f"s{i}/stress.log").read().decode() for i in (0, 1, 2)]
     for i, (log, backend) in enumerate(zip(logs, ("flashqla", "default", "flashqla-one-token-prefill"))):
         assert f"{tmp_path / f'run-{i}'}/model" in log and f"--port {8321 + 100 * i}" in log, log
         assert f"# {backend} stress" in log and log.count(" stress\n") == 1, log
