@@ -882,7 +882,10 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, client: Clie
                        step_period_ms=None if summ["step_period_us"] is None else summ["step_period_us"] / 1e3,
                        host_ms_per_step={k: v / 1e3 / host_steps for k, v in summ["host_scopes_us"].items()},
                        runtime_per_step={k: [us / 1e3 / host_steps, c / host_steps]
-                                         for k, (us, c) in summ["runtime_us"].items()})
+                                         for k, (us, c) in summ["runtime_us"].items()},
+                       steps_by_kind={kind: {"steps": d["steps"], **{k[:-3] + "_ms": None if v is None else v / 1e3
+                                                                     for k, v in d.items() if k.endswith("_us")}}
+                                      for kind, d in summ["steps_by_kind"].items()})
     if len(ranks) > 1:
         texts.insert(0, prof.ranks_table(ranks, args.profile_steps))
         out["ranks_ms_per_step"] = {name: {"kernels": s["kernel_us_total"] / 1e3 / args.profile_steps,
@@ -1132,6 +1135,13 @@ def profiles_markdown(meta: dict) -> list[str]:
         lines.append(f"| {label(b)} | {b.get('visible_gpus', 'all')} | {fmt(pr.get('kernel_ms_per_step'), 3)} | "
                      f"{fmt(pr.get('gpu_span_ms_per_step'), 3)} | {fmt(pr.get('no_kernel_ms_per_step'), 3)} | {fmt(rec, 3)} | "
                      f"{fmt(pr.get('step_period_ms'), 3)} | " + " | ".join(fmt(host.get(k), 3) for k in scopes) + " |")
+    kinds = [(b, kind, d) for b in profiled for kind, d in (b["profile"].get("steps_by_kind") or {}).items()]
+    if kinds:  # the window's steps with a GDN prefill and those without, told apart
+        lines += ["", ("| backend | steps (median per step) | count | period | kernels | GDN recurrence | "
+                       "collectives | GPU span |"), "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {label(b)} | {kind} | {d['steps']} | {fmt(d.get('period_ms'), 3)} | {fmt(d.get('kernel_ms'), 3)} | "
+                  f"{fmt(d.get('recurrence_ms'), 3)} | {fmt(d.get('comm_ms'), 3)} | {fmt(d.get('span_ms'), 3)} |"
+                  for b, kind, d in kinds]
     # the calls that take the most host time on any server (each server's first 8), every server's cell
     calls = list(dict.fromkeys(k for b in profiled for k in list(b["profile"].get("runtime_per_step") or {})[:8]))
     if calls:

@@ -9,7 +9,11 @@ host only where the step runs outside a full CUDA graph), and the host side of a
 model-runner scopes (``gpu_model_runner: preprocess`` ..., recorded with
 ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``, which the serving harness sets when it profiles), the
 period between two steps' starts, and the CUDA runtime calls (a device-to-host sync shows
-there as ``cudaStreamSynchronize``, ``cudaMemcpy`` or ``cudaEventSynchronize`` time).
+there as ``cudaStreamSynchronize``, ``cudaMemcpy`` or ``cudaEventSynchronize`` time). Each kernel
+belongs to the step whose host side launched it (its launch call's ``correlation``; a CUDA graph's
+kernels carry their ``cudaGraphLaunch``'s), so a window of prefill and decode steps is also told
+apart: steps with a GDN prefill kernel and steps without, each kind's median period, kernel time,
+GDN recurrence, collectives and GPU span.
 
     python -m e2e_bench.trace_summary TRACE_DIR [--label flashqla] [--out summary.md]
 """
@@ -17,6 +21,7 @@ there as ``cudaStreamSynchronize``, ``cudaMemcpy`` or ``cudaEventSynchronize`` t
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -73,6 +78,8 @@ def summarize(events: list[dict], top: int = 25) -> dict:
     runtime = collections.Counter()
     runtime_calls = collections.Counter()
     step_starts = []
+    launched = {}  # correlation -> host time of the runtime call that launched it
+    device = []  # (correlation, start, end, GDN part, collective) of each GPU event
     for e in events:  # one pass: a trace holds millions of events
         if e.get("ph") != "X":
             continue
@@ -83,10 +90,12 @@ def summarize(events: list[dict], top: int = 25) -> dict:
             group = classify(name)
             if group:
                 gdn[group] += dur
-            if COMM_PATTERN.search(name):
+            collective = bool(COMM_PATTERN.search(name))
+            if collective:
                 comm += dur
             ts = float(e.get("ts", 0.0))
             spans.append((ts, ts + dur))
+            device.append(((e.get("args") or {}).get("correlation"), ts, ts + dur, group, collective))
             first = ts if first is None else min(first, ts)
             last = ts + dur if last is None else max(last, ts + dur)
         elif cat in ("cpu_op", "user_annotation") and name == GDN_OP:
@@ -98,6 +107,9 @@ def summarize(events: list[dict], top: int = 25) -> dict:
         elif cat in RUNTIME_CATS:
             runtime[name] += dur
             runtime_calls[name] += 1
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launched[corr] = float(e.get("ts", 0.0))
     step_starts.sort()
     periods = [b - a for a, b in zip(step_starts, step_starts[1:])]
     total = sum(kernels.values())
@@ -119,7 +131,44 @@ def summarize(events: list[dict], top: int = 25) -> dict:
         "host_steps": len(step_starts),
         "step_period_us": statistics.median(periods) if periods else None,
         "runtime_us": {n: (us, runtime_calls[n]) for n, us in runtime.most_common(top)},
+        "steps_by_kind": steps_by_kind(step_starts, launched, device),
     }
+
+
+STEP_KINDS = ("with prefill", "decode only")
+
+
+def steps_by_kind(step_starts: list[float], launched: dict, device: list[tuple]) -> dict:
+    """Each step's GPU events (those its host side launched, between its start and the next
+    step's), the steps split by whether a GDN prefill kernel ran in them, and per kind the median
+    over its steps (us): period (to the next step's start; the last step has none), kernel time,
+    GDN recurrence, collectives, and the span from its first GPU event to its last."""
+    steps: dict[int, dict] = {}
+    for corr, start, end, group, collective in device:
+        host = launched.get(corr)
+        i = bisect.bisect_right(step_starts, host) - 1 if host is not None else -1
+        if i < 0:
+            continue  # launched before the window's first step, or without a launch on record
+        st = steps.setdefault(i, {"kernel": 0.0, "recurrence": 0.0, "comm": 0.0, "prefill": False,
+                                  "first": start, "last": end})
+        st["kernel"] += end - start
+        st["recurrence"] += (end - start) if group and group.startswith("recurrence") else 0.0
+        st["comm"] += (end - start) if collective else 0.0
+        st["prefill"] |= group == "recurrence (prefill)"
+        st["first"], st["last"] = min(st["first"], start), max(st["last"], end)
+    out = {}
+    for kind in STEP_KINDS:
+        mine = [i for i in sorted(steps) if steps[i]["prefill"] == (kind == "with prefill")]
+        if not mine:
+            continue
+        med = lambda vals: statistics.median(vals) if vals else None  # noqa: E731
+        out[kind] = {"steps": len(mine),
+                     "period_us": med([step_starts[i + 1] - step_starts[i] for i in mine if i + 1 < len(step_starts)]),
+                     "kernel_us": med([steps[i]["kernel"] for i in mine]),
+                     "recurrence_us": med([steps[i]["recurrence"] for i in mine]),
+                     "comm_us": med([steps[i]["comm"] for i in mine]),
+                     "span_us": med([steps[i]["last"] - steps[i]["first"] for i in mine])}
+    return out
 
 
 def busy_time(spans: list[tuple[float, float]]) -> float:
@@ -167,6 +216,12 @@ def host_markdown(s: dict) -> list[str]:
     if s.get("runtime_us"):
         lines += ["", f"| CUDA runtime call | host ms {unit} | calls {unit} |", "|---|---|---|"]
         lines += [f"| `{n}` | {us / div / 1e3:.3f} | {c / div:.1f} |" for n, (us, c) in s["runtime_us"].items()]
+    if s.get("steps_by_kind"):
+        ms = lambda us: "—" if us is None else f"{us / 1e3:.3f}"  # noqa: E731
+        lines += ["", ("| steps (median per step) | steps | period ms | kernels ms | GDN recurrence ms | "
+                       "collectives ms | GPU span ms |"), "|---|---|---|---|---|---|---|"]
+        lines += [f"| {kind} | {k['steps']} | {ms(k['period_us'])} | {ms(k['kernel_us'])} | {ms(k['recurrence_us'])} | "
+                  f"{ms(k['comm_us'])} | {ms(k['span_us'])} |" for kind, k in s["steps_by_kind"].items()]
     return lines
 
 

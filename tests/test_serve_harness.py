@@ -282,6 +282,43 @@ def test_profile_summary_times_the_host_side_of_a_step(tmp_path):
     assert "| preprocess | 0.200 |" in md and "| `cudaStreamSynchronize` | 0.200 | 0.3 |" in md
 
 
+def test_profile_summary_tells_prefill_steps_from_decode_steps():
+    """Each GPU event belongs to the step whose host side launched it (the launch call's
+    correlation; a CUDA graph's kernels carry their cudaGraphLaunch's), whenever it runs: two
+    prefill steps (a chunk_fwd among their kernels) and three decode steps (a graph replay each),
+    each kind's median period, kernel time, GDN recurrence, collectives and span."""
+    ev, corr = [], iter(range(1, 100))
+
+    def launch(host_ts, kernels, call="cudaLaunchKernel"):
+        c = next(corr)
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": call, "ts": host_ts, "dur": 5, "args": {"correlation": c}})
+        ev.extend({"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d, "args": {"correlation": c}}
+                  for n, t, d in kernels)
+
+    starts = (0, 10000, 20000, 23000, 26500)
+    for i, start in enumerate(starts):
+        ev.append({"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: preprocess", "ts": start, "dur": 100})
+        if i < 2:  # a prefill step: its kernels run well after the host launched them
+            launch(start + 200, [("chunk_fwd_kernel", start + 3000, 400)])
+            launch(start + 300, [("sm90_gemm", start + 3400, 5000), ("ncclDevKernel_AllReduce", start + 8400, 600)])
+        else:  # a decode step: one graph, its kernels all under the cudaGraphLaunch's correlation
+            launch(start + 150, [("_causal_conv1d_update_kernel", start + 400, 10), ("gdn_decode_kernel", start + 410, 3),
+                                 ("sm90_gemm", start + 413, 2000 + 100 * i), ("ncclDevKernel_AllReduce", start + 2600, 50)],
+                   call="cudaGraphLaunch")
+    ev.append({"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": 40000, "dur": 7})  # no launch on record
+    s = profile.summarize(ev)
+    kinds = s["steps_by_kind"]
+    assert list(kinds) == ["with prefill", "decode only"]
+    assert kinds["with prefill"] == {"steps": 2, "period_us": 10000, "kernel_us": 6000, "recurrence_us": 400,
+                                     "comm_us": 600, "span_us": 6000}
+    assert kinds["decode only"] == {"steps": 3, "period_us": 3250, "kernel_us": 2363, "recurrence_us": 3,
+                                    "comm_us": 50, "span_us": 2313}
+    md = profile.markdown("x", s, steps=5)
+    assert "| with prefill | 2 | 10.000 | 6.000 | 0.400 | 0.600 | 6.000 |" in md
+    assert "| decode only | 3 | 3.250 | 2.363 | 0.003 | 0.050 | 2.313 |" in md
+    assert profile.summarize([e for e in ev if e["cat"] != "cuda_runtime"])["steps_by_kind"] == {}
+
+
 @pytest.mark.parametrize("name, part", [
     ("void vllm::moe::topkGating<16, 512, 4, 16, 32, int, __nv_bfloat16>", None),  # the MoE router
     ("fused_gdn_gating_kernel", "post-conv prep"),
@@ -588,6 +625,7 @@ def test_profile_point_reports_the_first_rank_and_keeps_every_rank(tmp_path, mon
     assert ranks[next(n for n in ranks if "tp0" in n)]["collectives"] == pytest.approx(0.099)
     assert md.startswith("| trace |")
     assert out["gpu_span_ms_per_step"] == pytest.approx(0.1) and out["step_period_ms"] is None
+    assert out["steps_by_kind"] == {}  # no step scopes nor launches in these traces: no split
 
 
 def test_results_put_the_profiled_servers_side_by_side():
@@ -608,6 +646,15 @@ def test_results_put_the_profiled_servers_side_by_side():
     assert "| triton (sample 2) | 1 | 2.000 | 2.300 | 0.300 | 0.030 | 2.400 | 0.300 | — | 0.200 |" in md
     assert "| CUDA runtime call: host ms (calls) per step | flashqla | triton (sample 2) |" in md
     assert "| `cudaGraphLaunch` | 0.030 (1.0) | — |" in md and "flashinfer" not in md
+    assert "steps (median per step)" not in md  # profiles without the split say nothing of it
+    meta["backends"][0]["profile"]["steps_by_kind"] = {
+        "with prefill": {"steps": 2, "period_ms": 10.0, "kernel_ms": 6.0, "recurrence_ms": 0.4, "comm_ms": 0.6,
+                         "span_ms": 6.0},
+        "decode only": {"steps": 3, "period_ms": None, "kernel_ms": 2.5, "recurrence_ms": 0.003, "comm_ms": 0.05,
+                        "span_ms": 2.25}}
+    md = "\n".join(serve.profiles_markdown(meta))
+    assert "| flashqla | with prefill | 2 | 10.000 | 6.000 | 0.400 | 0.600 | 6.000 |" in md
+    assert "| flashqla | decode only | 3 | — | 2.500 | 0.003 | 0.050 | 2.250 |" in md
     assert serve.profiles_markdown({"backends": [{"backend": "triton"}]}) == []
 
 
