@@ -858,10 +858,14 @@ def profile_point(s: Setup, backend: str, args, work: pathlib.Path, client: Clie
     n = num_prompts(conc, args.prompts_per_concurrency, args.min_prompts)
     name = f"{backend}{sample_suffix(args.server_sample)}"
     res = work / f"client-{name}-profile.json"
-    cmd = client_command(s, workload, conc, n, str(res), warmups=0) + ["--profile"]
-    log(f"profile {backend} {workload} c{conc}: {args.profile_steps} steps after {args.profile_delay}")
-    rc, _ = client.run(cmd, work / f"client-{name}-profile.log")
     trace_dir = work / f"trace-{name}"
+    cmd = client_command(s, workload, conc, n, str(res), warmups=0) + ["--profile"]
+    if s.engine == "sglang":  # SGLang's window: the first steps after the client's start_profile
+        cmd += ["--profile-num-steps", str(args.profile_steps), "--profile-output-dir", str(trace_dir.resolve())]
+        log(f"profile {backend} {workload} c{conc}: its first {args.profile_steps} steps")
+    else:
+        log(f"profile {backend} {workload} c{conc}: {args.profile_steps} steps after {args.profile_delay}")
+    rc, _ = client.run(cmd, work / f"client-{name}-profile.log")
     time.sleep(5)  # the worker writes its trace after stop_profile returns
     out = {"client_rc": rc}
     texts = []
@@ -1375,9 +1379,10 @@ def parse_args(argv):
     add_weights_argument(p)
     add_allreduce_fusion_argument(p)
     p.add_argument("--profile", default="", metavar="WORKLOAD:CONC",
-                   help="vLLM: run this point once more under the engine's torch profiler (a window of "
-                        "--profile-steps steps after --profile-delay) and summarise the trace (e2e_bench/trace_summary.py)")
-    p.add_argument("--profile-delay", type=int, default=40)
+                   help="run this point once more under the engine's torch profiler (a window of --profile-steps "
+                        "steps: vLLM's after --profile-delay, SGLang's from the point's first step) and summarise "
+                        "the traces (e2e_bench/trace_summary.py)")
+    p.add_argument("--profile-delay", type=int, default=None, help="vLLM only (default 40)")
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--lockstep", default="", metavar="ID:N[:turns]",
                    help="one of N servers side by side (serve-split sets it): wait for the others before the "
@@ -1401,6 +1406,11 @@ def parse_args(argv):
         p.error(f"--repeats {args.repeats}: must be >= 1")
     if args.server_sample < 1:
         p.error(f"--server-sample {args.server_sample}: must be >= 1")
+    if args.profile_delay is not None and args.engine == "sglang":
+        # (SGLang's start_step counts forward steps from the server's start, not the point's)
+        p.error("--profile-delay: SGLang's window starts at the profiled point's first step")
+    if args.profile_delay is None:
+        args.profile_delay = 40 if args.engine == "vllm" else 0
     return args
 
 

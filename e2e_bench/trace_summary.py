@@ -8,7 +8,7 @@ step, the host time of each GDN custom-op call (``vllm::qwen_gdn_attention_core`
 host only where the step runs outside a full CUDA graph), and the host side of a step: vLLM's
 model-runner scopes (``gpu_model_runner: preprocess`` ..., recorded with
 ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``, which the serving harness sets when it profiles), the
-period between two steps' starts, and the CUDA runtime calls (a device-to-host sync shows
+period between two steps' starts (vLLM's ``preprocess`` scope or SGLang's ``step[...]`` span), and the CUDA runtime calls (a device-to-host sync shows
 there as ``cudaStreamSynchronize``, ``cudaMemcpy`` or ``cudaEventSynchronize`` time). Each kernel
 belongs to the step whose host side launched it (its launch call's ``correlation``; a CUDA graph's
 kernels carry their ``cudaGraphLaunch``'s), so a window of prefill and decode steps is also told
@@ -49,6 +49,8 @@ COMM_PATTERN = re.compile(r"nccl|all_?reduce|cross_device_reduce|allgather|reduc
 # vLLM's model-runner scopes: one "preprocess" per engine step starts the step on the host
 RUNNER_SCOPE = "gpu_model_runner: "
 STEP_SCOPE = RUNNER_SCOPE + "preprocess"
+# SGLang's span around each forward step ("step[EXTEND bs=1 toks=8192]", "step[DECODE bs=32]")
+SGLANG_STEP = "step["
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 
 
@@ -104,6 +106,8 @@ def summarize(events: list[dict], top: int = 25) -> dict:
             scopes[name[len(RUNNER_SCOPE):]] += dur
             if name == STEP_SCOPE:
                 step_starts.append(float(e.get("ts", 0.0)))
+        elif cat == "user_annotation" and name.startswith(SGLANG_STEP):
+            step_starts.append(float(e.get("ts", 0.0)))
         elif cat in RUNTIME_CATS:
             runtime[name] += dur
             runtime_calls[name] += 1
@@ -207,11 +211,12 @@ def host_markdown(s: dict) -> list[str]:
     steps = s.get("host_steps") or 0
     div, unit = (steps, "per step") if steps else (1, "in all")
     lines = []
-    if s.get("host_scopes_us"):
+    if steps:
         period = s.get("step_period_us")
         lines += ["", f"Host: {steps} steps, median {period / 1e3:.3f} ms from one step's start to the next"
-                  if period else f"Host: {steps} steps", "",
-                  f"| vLLM runner scope | host ms {unit} |", "|---|---|"]
+                  if period else f"Host: {steps} steps"]
+    if s.get("host_scopes_us"):
+        lines += ["", f"| vLLM runner scope | host ms {unit} |", "|---|---|"]
         lines += [f"| {n} | {us / div / 1e3:.3f} |" for n, us in s["host_scopes_us"].items()]
     if s.get("runtime_us"):
         lines += ["", f"| CUDA runtime call | host ms {unit} | calls {unit} |", "|---|---|---|"]

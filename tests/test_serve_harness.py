@@ -282,11 +282,13 @@ def test_profile_summary_times_the_host_side_of_a_step(tmp_path):
     assert "| preprocess | 0.200 |" in md and "| `cudaStreamSynchronize` | 0.200 | 0.3 |" in md
 
 
-def test_profile_summary_tells_prefill_steps_from_decode_steps():
+@pytest.mark.parametrize("step_span", ["gpu_model_runner: preprocess", "step[EXTEND bs=1 toks=8192]"])
+def test_profile_summary_tells_prefill_steps_from_decode_steps(step_span):
     """Each GPU event belongs to the step whose host side launched it (the launch call's
     correlation; a CUDA graph's kernels carry their cudaGraphLaunch's), whenever it runs: two
     prefill steps (a chunk_fwd among their kernels) and three decode steps (a graph replay each),
-    each kind's median period, kernel time, GDN recurrence, collectives and span."""
+    each kind's median period, kernel time, GDN recurrence, collectives and span. Steps start at
+    vLLM's preprocess scope or SGLang's step span."""
     ev, corr = [], iter(range(1, 100))
 
     def launch(host_ts, kernels, call="cudaLaunchKernel"):
@@ -297,7 +299,7 @@ def test_profile_summary_tells_prefill_steps_from_decode_steps():
 
     starts = (0, 10000, 20000, 23000, 26500)
     for i, start in enumerate(starts):
-        ev.append({"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: preprocess", "ts": start, "dur": 100})
+        ev.append({"ph": "X", "cat": "user_annotation", "name": step_span, "ts": start, "dur": 100})
         if i < 2:  # a prefill step: its kernels run well after the host launched them
             launch(start + 200, [("chunk_fwd_kernel", start + 3000, 400)])
             launch(start + 300, [("sm90_gemm", start + 3400, 5000), ("ncclDevKernel_AllReduce", start + 8400, 600)])
@@ -314,6 +316,8 @@ def test_profile_summary_tells_prefill_steps_from_decode_steps():
     assert kinds["decode only"] == {"steps": 3, "period_us": 3250, "kernel_us": 2363, "recurrence_us": 3,
                                     "comm_us": 50, "span_us": 2313}
     md = profile.markdown("x", s, steps=5)
+    assert "Host: 5 steps, median 6.750 ms from one step's start to the next" in md
+    assert ("| vLLM runner scope |" in md) == step_span.startswith("gpu_model_runner")
     assert "| with prefill | 2 | 10.000 | 6.000 | 0.400 | 0.600 | 6.000 |" in md
     assert "| decode only | 3 | 3.250 | 2.363 | 0.003 | 0.050 | 2.313 |" in md
     assert profile.summarize([e for e in ev if e["cat"] != "cuda_runtime"])["steps_by_kind"] == {}
@@ -626,6 +630,44 @@ def test_profile_point_reports_the_first_rank_and_keeps_every_rank(tmp_path, mon
     assert md.startswith("| trace |")
     assert out["gpu_span_ms_per_step"] == pytest.approx(0.1) and out["step_period_ms"] is None
     assert out["steps_by_kind"] == {}  # no step scopes nor launches in these traces: no split
+
+
+def test_an_sglang_profile_takes_the_points_first_steps_into_the_work_directory(tmp_path, monkeypatch):
+    """SGLang's client starts the server's profiler for --profile-steps forward steps and names the
+    directory (it writes the traces in a folder of its own under it, one per TP rank); the summary
+    splits the steps at SGLang's step spans. SGLang cannot start the window later (its start_step
+    counts from the server's start): --profile-delay is refused."""
+    seen = []
+
+    class FakeClient:
+        def run(self, cmd, log_path):
+            seen.append(cmd)
+            out = pathlib.Path(cmd[cmd.index("--profile-output-dir") + 1]) / "1795870170.1"
+            out.mkdir(parents=True)
+            ev = [{"ph": "X", "cat": "user_annotation", "name": "step[DECODE bs=1]", "ts": t, "dur": 50}
+                  for t in (0, 3000, 6000)]
+            ev += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t + 60, "dur": 5,
+                    "args": {"correlation": t + 1}} for t in (0, 3000, 6000)]
+            ev += [{"ph": "X", "cat": "kernel", "name": "gdn_decode_kernel", "ts": t + 100, "dur": 3,
+                    "args": {"correlation": t + 1}} for t in (0, 3000, 6000)]
+            with gzip.open(out / "1795870170.1-TP-0.trace.json.gz", "wt") as f:
+                json.dump({"traceEvents": ev}, f)
+            return 0, ""
+
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    args = serve.parse_args(["--engine", "sglang", "--profile", "chat:1", "--profile-steps", "3",
+                             "--out-dir", str(tmp_path / "out")])
+    assert args.profile_delay == 0 and serve.parse_args(["--engine", "vllm"]).profile_delay == 40
+    s = serve.Setup("sglang", str(tmp_path / "model"), 4, 4096)
+    out = serve.profile_point(s, "flashqla", args, tmp_path / "work", FakeClient())
+    cmd = seen[0]
+    assert "--profile" in cmd and cmd[cmd.index("--profile-num-steps") + 1] == "3"
+    assert cmd[cmd.index("--profile-output-dir") + 1] == str((tmp_path / "work" / "trace-flashqla").resolve())
+    assert out["trace"].endswith("-TP-0.trace.json.gz") and out["step_period_ms"] == pytest.approx(3.0)
+    assert out["steps_by_kind"] == {"decode only": {"steps": 3, "period_ms": 3.0, "kernel_ms": 0.003,
+                                                    "recurrence_ms": 0.003, "comm_ms": 0.0, "span_ms": 0.003}}
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--engine", "sglang", "--profile", "chat:1", "--profile-delay", "8"])
 
 
 def test_results_put_the_profiled_servers_side_by_side():
