@@ -8,8 +8,9 @@ step, the host time of each GDN custom-op call (``vllm::qwen_gdn_attention_core`
 host only where the step runs outside a full CUDA graph), and the host side of a step: vLLM's
 model-runner scopes (``gpu_model_runner: preprocess`` ..., recorded with
 ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``, which the serving harness sets when it profiles), the
-period between two steps' starts (vLLM's ``preprocess`` scope or SGLang's ``step[...]`` span), and the CUDA runtime calls (a device-to-host sync shows
-there as ``cudaStreamSynchronize``, ``cudaMemcpy`` or ``cudaEventSynchronize`` time). Each kernel
+period between two steps' starts (vLLM's ``preprocess`` scope or SGLang's ``step[...]`` span),
+and the CUDA runtime calls (a device-to-host sync shows there as ``cudaStreamSynchronize``,
+``cudaMemcpy`` or ``cudaEventSynchronize`` time). Each kernel
 belongs to the step whose host side launched it (its launch call's ``correlation``; a CUDA graph's
 kernels carry their ``cudaGraphLaunch``'s), so a window of prefill and decode steps is also told
 apart: steps with a GDN prefill kernel and steps without, each kind's median period, kernel time,
@@ -160,12 +161,12 @@ def steps_by_kind(step_starts: list[float], launched: dict, device: list[tuple])
         st["comm"] += (end - start) if collective else 0.0
         st["prefill"] |= group == "recurrence (prefill)"
         st["first"], st["last"] = min(st["first"], start), max(st["last"], end)
+    med = lambda vals: statistics.median(vals) if vals else None  # noqa: E731
     out = {}
     for kind in STEP_KINDS:
         mine = [i for i in sorted(steps) if steps[i]["prefill"] == (kind == "with prefill")]
         if not mine:
             continue
-        med = lambda vals: statistics.median(vals) if vals else None  # noqa: E731
         out[kind] = {"steps": len(mine),
                      "period_us": med([step_starts[i + 1] - step_starts[i] for i in mine if i + 1 < len(step_starts)]),
                      "kernel_us": med([steps[i]["kernel"] for i in mine]),
