@@ -197,9 +197,9 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                 self._attach_spec_padding(out, lens.tolist())
         fresh = None if self._qla_capturing else self._fresh_one_token_rows(m, spec_mask)
         if fresh is not None:
-            self._zero_fresh_states(md, fresh, spec_mask)
+            rows, slots = self._zero_fresh_states(md, fresh, spec_mask)
             if self.qla_fresh_on_decode and spec_mask is None and md.num_prefills > 0:
-                self._attach_fresh_prefill_rows(out, m, fresh)
+                self._attach_fresh_prefill_rows(out, m, rows, slots)
         if self.num_spec > 0:
             self._attach_resume(out, m, num_accepted_tokens, spec_mask, fresh)
         return out
@@ -230,34 +230,40 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
             fresh &= ~spec_mask
         return fresh if bool(fresh.any()) else None
 
-    def _zero_fresh_states(self, md, fresh: torch.Tensor, spec_mask) -> None:
+    def _zero_fresh_states(self, md, fresh: torch.Tensor, spec_mask) -> tuple[list[int], torch.Tensor]:
         """Zero the conv and recurrent state of each fresh one-token row in every layer of this
         group, before the step runs: the decode then starts from the zero state a prefill without
         initial state starts from. Done here, not in the layers, because a step of one-token rows
-        replays a FULL CUDA graph captured without it."""
+        replays a FULL CUDA graph captured without it.
+
+        Returns the fresh rows (host, ascending) and their state slots (``[F]``, vLLM's index
+        dtype, on the device), which :meth:`_attach_fresh_prefill_rows` reuses."""
+        rows = fresh.nonzero().flatten().tolist()
         # the row's place among vLLM's non-speculative rows, whose slots the decode reads
-        pos = (fresh.nonzero().flatten() if spec_mask is None
-               else (torch.cumsum((~spec_mask).int(), 0) - 1)[fresh])
+        pos = rows if spec_mask is None else (torch.cumsum((~spec_mask).int(), 0) - 1)[fresh].tolist()
         slots = md.non_spec_state_indices_tensor.index_select(
-            0, _to_device(pos.tolist(), torch.int64, md.non_spec_state_indices_tensor.device)).long()
+            0, _to_device(pos, torch.int64, md.non_spec_state_indices_tensor.device))
+        long_slots = slots.long()
         context = self.vllm_config.compilation_config.static_forward_context
         for name in self.qla_layer_names:
             for state in getattr(context.get(name), "kv_cache", ()) or ():
                 if isinstance(state, torch.Tensor) and state.numel():
-                    state.index_fill_(0, slots, 0)
+                    state.index_fill_(0, long_slots, 0)
+        return rows, slots
 
-    def _attach_fresh_prefill_rows(self, md: QlaGDNAttentionMetadata, m, fresh: torch.Tensor) -> None:
+    def _attach_fresh_prefill_rows(self, md: QlaGDNAttentionMetadata, m, rows: list[int],
+                                   slots: torch.Tensor) -> None:
         """The new one-token rows among the prefill rows (unless ``QLA_FRESH_ON_DECODE=0``): their
-        tokens and slots, for the layer to rerun on the decode kernel (without drafts, rows are
-        tokens' order)."""
-        rows = [r for r in fresh.nonzero().flatten().tolist() if r >= md.num_decodes]
-        if not rows:
+        tokens and slots, for the layer to rerun on the decode kernel. ``rows`` / ``slots`` are
+        every fresh row's, ascending; without drafts rows are tokens' order and decode rows come
+        first, so the prefill rows' slots are the tail of ``slots``."""
+        first = next((i for i, r in enumerate(rows) if r >= md.num_decodes), len(rows))
+        if first == len(rows):
             return
         starts = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
         dev = md.non_spec_state_indices_tensor.device
-        md.qla_fresh_prefill_tokens = _to_device([starts[r] for r in rows], torch.int64, dev)
-        md.qla_fresh_prefill_slots = md.non_spec_state_indices_tensor.index_select(
-            0, _to_device(rows, torch.int64, dev))
+        md.qla_fresh_prefill_tokens = _to_device([starts[r] for r in rows[first:]], torch.int64, dev)
+        md.qla_fresh_prefill_slots = slots[first:]
 
     def build_for_cudagraph_capture(self, common_attn_metadata):
         # vLLM passes made-up accepted counts here: not the runner's buffer, not a real step
