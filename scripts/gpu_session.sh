@@ -26,7 +26,7 @@
 # $OUT/stress-logs.tar.xz).
 # stress-split (the reliability harness's servers side by side: QLA_STRESS_SPLIT="GPUS:BACKEND:PHASE[:K,K...|:I/N] ...",
 # GPUS one GPU or a comma-separated group for --tp > 1, PHASE stress (its backend's oracle first, then the
-# stress server), oracle (the oracle alone; oracle:I/N its I-th of N shards, N such slots side by side),
+# stress server; beside an oracle slot of its backend, at once, comparing once that oracle is saved), oracle (the oracle alone; oracle:I/N its I-th of N shards, N such slots side by side),
 # or spec (the K speculative servers, comparing once the stress run's oracle is there; spec:METHOD:K,K...
 # names the slot's proposer, mtp or ngram, over --spec-method),
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
@@ -112,6 +112,8 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
         extra+=(--spec-method "${ks%%:*}") ks=${ks#*:} log=${log%.log}-${extra[-1]}.log
       fi
       [[ $phase != spec ]] || extra+=(--spec-tokens ${ks//,/ } --wait-oracle 900)
+      # a stress slot beside its backend's oracle slot compares once that oracle is saved
+      [[ $phase != stress || " $slots " != *":$backend:oracle"* ]] || extra+=(--wait-oracle 900)
       [[ $phase != oracle || -z $ks ]] || extra+=(--oracle-shard "$ks")
     fi
     pin=()
