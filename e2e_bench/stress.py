@@ -1191,9 +1191,12 @@ def main(argv=None) -> int:
         for name, reqs in plan.items():
             lens = [len(r["prompt"]) for r in reqs]
             serve.log(f"{name}: {len(reqs)} requests, prompts {min(lens)}..{max(lens)} tokens")
+        beside = args.wait_oracle and args.phase in ("stress", "spec")  # the oracle is another run's
+        if beside:
+            serve.log(f"oracle: made by the run beside this one (--wait-oracle {args.wait_oracle:g})")
         for b in backends:
             for tag, cmd in server_commands(s, b, args, spec["model_type"]).items():
-                if tag == "oracle" or args.phase in ("all", tag.rstrip("0123456789")):
+                if (tag == "oracle" and not beside) or args.phase in ("all", tag.rstrip("0123456789")):
                     print(f"# {b} {tag}\n{shlex.join(cmd)}")
         return 0
     key, okey = run_key(args, plan), oracle_key(args, plan)

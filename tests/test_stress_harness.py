@@ -972,3 +972,22 @@ def test_stress_runs_side_by_side(tmp_path):
     r = subprocess.run(["bash", str(repo / "scripts/gpu_session.sh"), "stress-runs"], env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode != 0
+
+
+def test_stress_slots_beside_their_oracle_wait_for_it(tmp_path):
+    """gpu_session.sh stress-split: a stress slot beside an oracle slot of its backend starts no
+    oracle server of its own (it waits for that one's tokens); one without such a slot makes its
+    oracle first (here dry runs, which print the servers they would start)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "QLA_STAGE": str(tmp_path / "stage"),
+           "QLA_STRESS_ARGS": ("--engine vllm --layers 4 --requests 10 --max-prompt 300 --longest 0 --dry-run "
+                               f"--work-dir {tmp_path / 'work'}"),
+           "QLA_STRESS_SPLIT": "0:flashqla:oracle 1:flashqla:stress 2:default:stress"}
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run(["bash", str(repo / "scripts/gpu_session.sh"), "stress-split"], env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    beside = pathlib.Path("/tmp/qla-stress-split-1-flashqla-stress.log").read_text()
+    alone = pathlib.Path("/tmp/qla-stress-split-2-default-stress.log").read_text()
+    assert "made by the run beside this one" in beside and "# flashqla oracle" not in beside, beside
+    assert "# flashqla stress" in beside
+    assert "# default oracle" in alone and "# default stress" in alone and "made by the run" not in alone, alone
