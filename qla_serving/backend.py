@@ -55,6 +55,21 @@ def fresh_rows_on_decode() -> bool:
     return os.environ.get("QLA_FRESH_ON_DECODE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def batch_invariant() -> bool:
+    """Whether ``QLA_BATCH_INVARIANT=1`` asks that a sequence's outputs and states be the same bits
+    whatever else its step holds: every decode call of a pool dtype reduces over K in one order
+    (the decode tile's lanes per row, whatever the batch size), and the prefill plans no AutoCP
+    (whose segments, and whether it splits at all, follow the batch). Off by default: it gives
+    up AutoCP's speed on long prompts in small batches (docs/e2e.md, "Batch invariance")."""
+    return os.environ.get("QLA_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def batch_invariant_note() -> str:
+    """What the engines' start-up line adds under ``QLA_BATCH_INVARIANT=1`` ("" otherwise)."""
+    return ("; batch-invariant (QLA_BATCH_INVARIANT=1): one decode reduction order at every batch size, "
+            "no AutoCP" if batch_invariant() else "")
+
+
 @functools.lru_cache(maxsize=None)
 def device_unsupported_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run on ``device`` at all, or None when they can."""

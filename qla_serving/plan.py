@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import backend
 from .constants import CHUNK_SIZE
 
 
@@ -132,6 +133,7 @@ def plan_prefill(
         sm_count: multiprocessors of the GPU (default: queried from ``device`` once).
         cp_segment_tokens: experiments only — force segments of this many tokens (0 turns
             AutoCP off); the environment variable ``QLA_CP_SEGMENT_TOKENS`` does the same.
+            ``QLA_BATCH_INVARIANT=1`` turns AutoCP off unless one of them is given.
 
     Returns:
         A :class:`PrefillPlan`.
@@ -183,6 +185,8 @@ def plan_prefill(
     cp = None
     if cp_segment_tokens is None and os.environ.get("QLA_CP_SEGMENT_TOKENS"):
         cp_segment_tokens = int(os.environ["QLA_CP_SEGMENT_TOKENS"])
+    if cp_segment_tokens is None and backend.batch_invariant():
+        cp_segment_tokens = 0  # AutoCP's split follows the batch (backend.batch_invariant)
     if num_v_heads is not None and cp_segment_tokens != 0:
         if sm_count is None:
             sm_count = _sm_count(device)

@@ -5,7 +5,8 @@
 #   . .device/tilelang/1/env.sh && bash scripts/gpu_session.sh tests check
 #   . .device/tilelang-fi/3/env.sh && bash scripts/gpu_session.sh tests bench-prefill bench-decode
 #
-# Steps: tests (pytest -m gpu), check (qla-serving check), bench-prefill, bench-decode,
+# Steps: tests (pytest -m gpu), check (qla-serving check), batch-invariance (one sequence alone and in
+# a larger call of the decode and prefill kernels, QLA_BATCH_INVARIANT off and on), bench-prefill, bench-decode,
 # profile-prefill (Nsight Compute on prep and chunk_fwd: one chain-bound cell, 2/8 heads 1x8192
 # without AutoCP, and one throughput-bound cell, 16/64 heads 8x4096; details page and per-SASS-line
 # stall samples, the hottest lines summarised by scripts/ncu_hot.py, all in
@@ -170,6 +171,7 @@ for step in "$@"; do
           exit $rc ) 2>&1 | tee "$OUT/gpu-tests.log" | tail -60
       fi ;;
     check) python3 -m qla_serving.cli check 2>&1 | tee "$OUT/check.log" ;;
+    batch-invariance) python3 -m qla_serving.bench.invariance 2>&1 | tee "$OUT/batch-invariance.txt" ;;
     bench-prefill) python3 -m qla_serving.cli bench prefill --out-dir "$OUT" ${QLA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-prefill.log" | tail -60 ;;
     bench-decode) python3 -m qla_serving.cli bench decode --out-dir "$OUT" ${QLA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-decode.log" | tail -60 ;;
     profile-prefill)

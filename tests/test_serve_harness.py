@@ -368,6 +368,8 @@ def test_classic_variant_is_ours_with_its_flag_and_never_a_built_in(tmp_path, mo
     assert "flashqla-bound" in serve.BACKENDS and "flashqla-bound" not in serve.DEFAULT_BACKENDS
     prefill = serve.backend_env("flashqla-one-token-prefill")  # the one-token rows' A/B variant
     assert prefill["QLA_FRESH_ON_DECODE"] == "0" and "QLA_FRESH_ON_DECODE" not in serve.backend_env("flashqla")
+    invariant = serve.backend_env("flashqla-batch-invariant")  # the batch-invariant mode's A/B variant
+    assert invariant["QLA_BATCH_INVARIANT"] == "1" and "QLA_BATCH_INVARIANT" not in serve.backend_env("flashqla")
     rows = _rows()[:4]  # triton at 100/3200 tok/s, flashqla at 120/3840
     rows += [{**r, "backend": "flashqla-classic", "total_tok_s": r["total_tok_s"] * 1.5}
              for r in rows if r["backend"] == "flashqla"]

@@ -170,6 +170,8 @@ def _dispatcher_init_around(original, self, *args, **kwargs):
         bound.arguments["prefill_backend"] = LinearAttnKernelBackend.TRITON
     original(*bound.args, **bound.kwargs)
 
+    from qla_serving import backend as qla_backend
+
     from .kernel import FlashQLAGDNKernel
 
     kernel = FlashQLAGDNKernel(fallback=self.tree_verify_kernel, phases=phases)
@@ -182,11 +184,12 @@ def _dispatcher_init_around(original, self, *args, **kwargs):
         self.verify_kernel_is_flashinfer = False
     self.supports_packed_decode = getattr(self.decode_kernel, "supports_packed_decode", False)
     logger.info(
-        "qla-serving: GDN kernel dispatcher uses FlashQLAGDNKernel for %s (decode=%s, extend=%s, verify=%s)",
+        "qla-serving: GDN kernel dispatcher uses FlashQLAGDNKernel for %s (decode=%s, extend=%s, verify=%s)%s",
         ", ".join(sorted(phases)),
         type(self.decode_kernel).__name__,
         type(self.extend_kernel).__name__,
         type(self.verify_kernel).__name__,
+        qla_backend.batch_invariant_note(),
     )
 
 

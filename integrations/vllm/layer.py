@@ -148,7 +148,7 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                          if backend.fresh_rows_on_decode() else
                          "; a new one-token prompt behind a prefill row keeps the prefill's answer (QLA_FRESH_ON_DECODE=0)")
                 logger.info("qla-serving: GDN layers run on flashqla (prefill, decode, speculative verify); "
-                            "the prefill reads %s; %s%s", inputs, launches, fresh)
+                            "the prefill reads %s; %s%s%s", inputs, launches, fresh, backend.batch_invariant_note())
 
     @staticmethod
     def _qla_unsupported_reason(config, vllm_config) -> str | None:

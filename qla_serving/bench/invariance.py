@@ -1,0 +1,154 @@
+"""Batch invariance of the kernels: one sequence run alone and at a place in a larger call.
+
+A served request is run alone by the stress harness's oracle and among other requests under load
+(``e2e_bench/stress.py``); whatever the kernels compute differently for the same sequence in the
+two calls shows as drift from the oracle. Two of ours can: the decode tile (its lanes per row set
+the order of the sums over K) follows the call's (sequence, head) pair count, and AutoCP splits a
+long sequence by what else the batch holds. ``QLA_BATCH_INVARIANT=1`` removes both
+(:func:`qla_serving.backend.batch_invariant`).
+
+``python -m qla_serving.bench.invariance`` (on the GPU) prints, for each pool dtype, how far the
+sequence's output and state move between the two calls with the flag off and on; the GPU tests in
+``tests/test_batch_invariance.py`` assert the bits equal with it on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+
+import torch
+
+K = V = 128
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool):
+    """``QLA_BATCH_INVARIANT`` set to ``on`` for the planner (read per plan) and the decode tile
+    choice (read at import, so set on the module here)."""
+    from ..kernels import decode
+
+    saved_env, saved_decode = os.environ.get("QLA_BATCH_INVARIANT"), decode._batch_invariant
+    os.environ["QLA_BATCH_INVARIANT"] = "1" if on else "0"
+    decode._batch_invariant = on
+    try:
+        yield
+    finally:
+        decode._batch_invariant = saved_decode
+        if saved_env is None:
+            os.environ.pop("QLA_BATCH_INVARIANT", None)
+        else:
+            os.environ["QLA_BATCH_INVARIANT"] = saved_env
+
+
+def decode_alone_and_in_batch(pool_dtype: torch.dtype, *, batch: int = 64, num_qk_heads: int = 16,
+                              num_v_heads: int = 32, seed: int | None = None) -> dict:
+    """One single-token decode step of one sequence alone and at a random place among ``batch - 1``
+    others (the engines' dtypes: bf16 activations, fp32 ``A_log``, bf16 ``dt_bias``, int32 slots,
+    q/k L2-normalised in the kernel, the pool updated in place), on fresh random inputs.
+
+    Returns ``out`` (``[2, 1, HV, V]`` bf16: alone, in the batch), ``state`` (``[2, HV, V, K]`` in
+    ``pool_dtype``), the inputs of that sequence (``inputs``: q, k, v, a, b, A_log, dt_bias, its
+    initial state) and the tiles the two calls used (``tiles``)."""
+    from ..kernels import decode
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
+    N, H, HV = batch, num_qk_heads, num_v_heads
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q, k = randn(N, 1, H, K).bfloat16(), randn(N, 1, H, K).bfloat16()
+    v = randn(N, 1, HV, V).bfloat16()
+    a, b = randn(N, 1, HV).bfloat16(), randn(N, 1, HV).bfloat16()
+    A_log = torch.rand(HV, device="cuda", generator=gen) * math.log(16)
+    dt_bias = (randn(HV) * 0.5).bfloat16()
+    init = randn(N, HV, V, K).to(pool_dtype)
+    j = int(torch.randint(N, (), device="cuda", generator=gen))
+    outs, states, tiles = [], [], []
+    for rows, at in ((slice(j, j + 1), 0), (slice(0, N), j)):
+        pool = init[rows].clone()
+        n = pool.shape[0]
+        out = torch.full((n, 1, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16)
+        decode.gated_delta_rule_decode_fwd(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias,
+                                           state_pool=pool, state_indices=torch.arange(n, device="cuda", dtype=torch.int32),
+                                           scale=K**-0.5, use_qk_l2norm=True, out=out, inplace_final_state=True)
+        outs.append(out[at])
+        states.append(pool[at])
+        tiles.append(str(decode._tile_for(n * HV, pool_dtype)))
+    torch.cuda.synchronize()
+    one = slice(j, j + 1)
+    return {"out": torch.stack(outs), "state": torch.stack(states), "tiles": tiles,
+            "inputs": (q[one], k[one], v[one], a[one], b[one], A_log, dt_bias, init[one])}
+
+
+def prefill_alone_and_beside(pool_dtype: torch.dtype, *, length: int = 4096, before: int = 1000, after: int = 3000,
+                             num_qk_heads: int = 16, num_v_heads: int = 32, seed: int | None = None) -> dict:
+    """A ``length``-token prefill of one sequence alone and between sequences of ``before`` and
+    ``after`` tokens, each call planned as the adapters plan a batch (with the value-head count,
+    so AutoCP decides), from an initial state in the pool, fresh random inputs.
+
+    Returns ``out`` (``[2, length, HV, V]``: alone, beside), ``state`` (``[2, HV, V, K]``: its final
+    state) and whether each call's plan split it (``split``: AutoCP)."""
+    from ..ops.gated_delta_rule.chunk import chunk_gated_delta_rule_pool
+    from ..plan import plan_prefill
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
+    T, H, HV = before + length + after, num_qk_heads, num_v_heads
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q, k, v = randn(T, H, K).bfloat16(), randn(T, H, K).bfloat16(), randn(T, HV, V).bfloat16()
+    g = torch.nn.functional.logsigmoid(randn(T, HV) + 4.0)  # log decay <= 0, mostly slow (long memory)
+    beta = torch.sigmoid(randn(T, HV))
+    init = (randn(3, HV, V, K) * 0.1).to(pool_dtype)
+    outs, states, split = [], [], []
+    for lens, start, at in (([length], before, 0), ([before, length, after], 0, 1)):
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        rows = slice(start, start + cu[-1])
+        pool = init[1 - at:1 - at + len(lens)].clone()
+        plan = plan_prefill(cu, device="cuda", num_v_heads=HV)
+        o = chunk_gated_delta_rule_pool(q[rows], k[rows], v[rows], g[rows], beta[rows], pool,
+                                        torch.arange(len(lens), device="cuda", dtype=torch.int32),
+                                        use_qk_l2norm_in_kernel=True, plan=plan)
+        outs.append(o[cu[at]:cu[at + 1]])
+        states.append(pool[at])
+        split.append(plan.context_parallel is not None
+                     and len(plan.context_parallel.segments[at]) > 1)
+    torch.cuda.synchronize()
+    return {"out": torch.stack(outs), "state": torch.stack(states), "split": split}
+
+
+def _moved(x: torch.Tensor) -> str:
+    """How far the second of two results is from the first: elements that differ, largest difference."""
+    d = (x[1].double() - x[0].double()).abs()
+    return f"{int((d > 0).sum())} of {d.numel()} differ, max {float(d.max()):.3g}"
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    print(f"# batch invariance on {torch.cuda.get_device_name()}: one sequence alone and in a larger call")
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        for on in (False, True):
+            with batch_invariant(on):
+                d = decode_alone_and_in_batch(pool_dtype, seed=1)
+                p = prefill_alone_and_beside(pool_dtype, seed=2)
+            flag = f"QLA_BATCH_INVARIANT={int(on)}"
+            print(f"decode  {str(pool_dtype)[6:]:8s} {flag}: tiles {d['tiles'][0]} / {d['tiles'][1]}; "
+                  f"output {_moved(d['out'])}; state {_moved(d['state'])}")
+            print(f"prefill {str(pool_dtype)[6:]:8s} {flag}: AutoCP split {p['split'][0]} / {p['split'][1]}; "
+                  f"output {_moved(p['out'])}; state {_moved(p['state'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

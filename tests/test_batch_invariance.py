@@ -1,0 +1,110 @@
+"""``QLA_BATCH_INVARIANT=1``: a sequence's outputs and state are the same bits whatever else its call
+holds (docs/e2e.md, "Batch invariance").
+
+On the CPU: the decode tile every pair count gets (one lane count per pool dtype, a tile the
+shipped library holds) and the prefill plan (no AutoCP). On the GPU (``gpu`` marker): one
+sequence run alone and at a place in a larger call of the same kernels, fresh random inputs, its
+rows and its pool slot compared bit for bit, and against the float64 recurrence.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import rel_err
+
+from qla_serving.ops.gated_delta_rule.naive import recurrent_decode_ref
+from qla_serving.plan import plan_prefill
+
+K = V = 128
+PAIRS = (1, 32, 128, 129, 4096, 10**6)
+
+
+def test_decode_tiles_share_one_lane_count(monkeypatch):
+    """Under the flag every pair count of a pool dtype gets a tile of the first band's lane count,
+    one of the configured tiles (the library holds every one); off, the bands decide."""
+    from qla_serving.kernels import decode, decode_tiles
+
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        configured = {t for _, t in decode._configured_tiles(name)}
+        tiles = [decode.batch_invariant_tile(p, name) for p in PAIRS]
+        assert len({t.lanes_per_row for t in tiles}) == 1 and set(tiles) <= configured, (name, tiles)
+        monkeypatch.setattr(decode, "_batch_invariant", True)
+        assert [decode._tile_for(p, dtype) for p in PAIRS] == tiles
+        monkeypatch.setattr(decode, "_batch_invariant", False)
+        assert [decode._tile_for(p, dtype) for p in PAIRS] == [decode.tile_for(p, name) for p in PAIRS]
+    # bands of three lane counts: a band keeps its tile only where its lanes are the first band's
+    monkeypatch.setattr(decode_tiles, "DECODE_CONFIGS",
+                        {"float32": {"bands": [(64, "8x32s"), (4096, "16x64l32s"), (None, "32x128")]}})
+    assert [str(decode.batch_invariant_tile(p, "float32")) for p in (1, 65, 5000)] == ["8x32s", "8x32s", "32x128"]
+    with decode.force_tile("8x32l32s"):  # a tile sweep's forced tile stands
+        assert str(decode.batch_invariant_tile(1, "float32")) == "8x32l32s"
+
+
+def test_the_flag_is_read_by_a_fresh_process():
+    code = ("import torch; from qla_serving.kernels import decode; "
+            "print(decode._tile_for(10**5, torch.float32).lanes_per_row, decode._tile_for(1, torch.float32).lanes_per_row)")
+    env = {**os.environ, "QLA_BATCH_INVARIANT": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    large, small = r.stdout.split()
+    assert large == small, r.stdout
+    env["QLA_BATCH_INVARIANT"] = "0"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    from qla_serving.kernels import decode
+
+    assert r.stdout.split() == [str(decode.tile_for(10**5, "float32").lanes_per_row),
+                                str(decode.tile_for(1, "float32").lanes_per_row)]
+
+
+def test_no_autocp_under_the_flag(monkeypatch):
+    """AutoCP splits a long sequence alone and not beside others: under the flag it plans none
+    (an explicit segment length, an experiment's, still splits)."""
+    monkeypatch.delenv("QLA_CP_SEGMENT_TOKENS", raising=False)
+    monkeypatch.delenv("QLA_BATCH_INVARIANT", raising=False)
+    alone = [0, 4096]
+    assert plan_prefill(alone, num_v_heads=32, sm_count=132).context_parallel is not None
+    monkeypatch.setenv("QLA_BATCH_INVARIANT", "1")
+    assert plan_prefill(alone, num_v_heads=32, sm_count=132).context_parallel is None
+    assert plan_prefill(alone, num_v_heads=32, sm_count=132, cp_segment_tokens=1024).context_parallel is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_decode_alone_and_in_a_large_batch_are_the_same_bits(pool_dtype):
+    """One sequence at 16/32 heads: alone (32 pairs, the small band) and at a random place among
+    63 others (2048 pairs, the large band), the same output and state bits under the flag, and
+    both within tolerance of the float64 recurrence."""
+    from qla_serving.bench.invariance import batch_invariant, decode_alone_and_in_batch
+
+    with batch_invariant(True):
+        d = decode_alone_and_in_batch(pool_dtype)
+    name = str(pool_dtype).split(".")[1]
+    from qla_serving.kernels import decode
+
+    assert decode.tile_for(32, name) != decode.tile_for(64 * 32, name)  # two bands: a real test
+    assert torch.equal(d["out"][0], d["out"][1]), "the output depends on the batch"
+    assert torch.equal(d["state"][0], d["state"][1]), "the state depends on the batch"
+    q, k, v, a, b, A_log, dt_bias, init = d["inputs"]
+    o_ref, s_ref = recurrent_decode_ref(q, k, v, a, b, A_log, dt_bias, init, scale=K**-0.5, use_qk_l2norm=True)
+    assert rel_err(d["out"][0], o_ref[0]) < 1e-2
+    assert rel_err(d["state"][0], s_ref[0, -1]) < (1e-4 if pool_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_alone_and_beside_others_are_the_same_bits(pool_dtype, monkeypatch):
+    """A 4096-token sequence at 16/32 heads, which AutoCP splits when it runs alone: alone and
+    between two other sequences, the same output and final state bits under the flag."""
+    from qla_serving.bench.invariance import batch_invariant, prefill_alone_and_beside
+
+    monkeypatch.delenv("QLA_CP_SEGMENT_TOKENS", raising=False)
+    with batch_invariant(False):
+        assert prefill_alone_and_beside(pool_dtype, length=2048, before=64, after=64)["split"][0]
+    with batch_invariant(True):
+        p = prefill_alone_and_beside(pool_dtype)
+    assert p["split"] == [False, False]
+    assert torch.equal(p["out"][0], p["out"][1]), "the output depends on the batch"
+    assert torch.equal(p["state"][0], p["state"][1]), "the final state depends on the batch"
+    assert torch.isfinite(p["out"].float()).all()
