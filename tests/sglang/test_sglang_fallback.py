@@ -301,3 +301,15 @@ def test_warmup_calls_the_ops_on_a_cuda_device(monkeypatch):
     assert ran == [(4, torch.device("cuda", 0))] and synced == [torch.device("cuda", 0)]
     ran.clear()
     assert warmup.warmup_kernels(device=torch.device("cpu"), **config) == 1 and ran == []
+
+
+@pytest.mark.parametrize("invariant", ["0", "1"])
+def test_the_dispatcher_line_says_when_batch_invariant(server_args, build_dispatcher, monkeypatch, caplog, invariant):
+    """QLA_BATCH_INVARIANT=1 (one decode reduction order, no AutoCP) is named in the line SGLang's
+    dispatcher logs when it takes our kernel."""
+    monkeypatch.setenv("QLA_BATCH_INVARIANT", invariant)
+    with caplog.at_level(logging.INFO, logger="qla_serving"):
+        build_dispatcher(server_args)
+    msgs = [r.getMessage() for r in caplog.records if "GDN kernel dispatcher uses FlashQLAGDNKernel" in r.getMessage()]
+    assert msgs
+    assert all(("batch-invariant (QLA_BATCH_INVARIANT=1)" in m) == (invariant == "1") for m in msgs)

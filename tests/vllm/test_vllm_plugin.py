@@ -427,3 +427,18 @@ def test_random_bench_weights_put_gemma_norms_at_zero(flashqla_config, distribut
     monkeypatch.setenv(weights.WEIGHTS_ENV, "xavier")
     with pytest.raises(ValueError, match="QLA_BENCH_WEIGHTS='xavier'"):
         weights.random_weights_requested()
+
+
+@pytest.mark.parametrize("invariant", ["0", "1"])
+def test_the_start_up_line_says_when_batch_invariant(flashqla_config, distributed, monkeypatch, caplog, invariant):
+    """QLA_BATCH_INVARIANT=1 (one decode reduction order, no AutoCP) is named in the engine's log."""
+    from qla_serving.integrations.vllm import layer as qla_layer
+
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    monkeypatch.setenv("QLA_BATCH_INVARIANT", invariant)
+    monkeypatch.setattr(qla_layer, "_announced", False)
+    with caplog.at_level(logging.INFO, logger="vllm.qla_serving"):
+        build_gdn_layer(flashqla_config)
+    msgs = [r.getMessage() for r in caplog.records if "GDN layers run on flashqla" in r.getMessage()]
+    assert len(msgs) == 1
+    assert ("batch-invariant (QLA_BATCH_INVARIANT=1)" in msgs[0]) == (invariant == "1")
