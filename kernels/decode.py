@@ -3,11 +3,11 @@
 launch. The kernel itself, and what it computes, is :mod:`~.decode_program`.
 """
 
+import os
 import threading
 
 import torch
 
-from .. import backend
 from ..constants import MAX_DECODE_TOKENS as MAX_TOKENS
 from . import decode_tiles, library
 from .decode_program import K_DIM, V_DIM, DecodeStaticConfig, _build, compile_kernel  # noqa: F401 - _build: this module's API too
@@ -61,8 +61,13 @@ def _get_kernel(key: DecodeStaticConfig):
     return kernel
 
 
-# QLA_BATCH_INVARIANT=1 (read once: _tile_for runs on every decode call)
-_batch_invariant = backend.batch_invariant()
+def batch_invariant_requested() -> bool:
+    """Whether ``QLA_BATCH_INVARIANT=1`` is set (what it does: ``qla_serving.backend.batch_invariant``)."""
+    return os.environ.get("QLA_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+# read once: _tile_for runs on every decode call
+_batch_invariant = batch_invariant_requested()
 
 
 def _tile_for(num_pairs: int, pool_dtype: torch.dtype) -> DecodeTile:

@@ -16,7 +16,7 @@ import os
 import torch
 
 from .constants import HEAD_DIM
-from .kernels import library
+from .kernels import decode, library
 from .kernels.library import TILELANG_VERSION, KernelUnavailable  # noqa: F401 - this module's API too
 
 logger = logging.getLogger("qla_serving")
@@ -61,7 +61,7 @@ def batch_invariant() -> bool:
     (the decode tile's lanes per row, whatever the batch size), and the prefill plans no AutoCP
     (whose segments, and whether it splits at all, follow the batch). Off by default: it gives
     up AutoCP's speed on long prompts in small batches (docs/e2e.md, "Batch invariance")."""
-    return os.environ.get("QLA_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on")
+    return decode.batch_invariant_requested()
 
 
 def batch_invariant_note() -> str:

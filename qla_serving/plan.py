@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import backend
 from .constants import CHUNK_SIZE
 
 
@@ -185,8 +184,8 @@ def plan_prefill(
     cp = None
     if cp_segment_tokens is None and os.environ.get("QLA_CP_SEGMENT_TOKENS"):
         cp_segment_tokens = int(os.environ["QLA_CP_SEGMENT_TOKENS"])
-    if cp_segment_tokens is None and backend.batch_invariant():
-        cp_segment_tokens = 0  # AutoCP's split follows the batch (backend.batch_invariant)
+    if cp_segment_tokens is None and os.environ.get("QLA_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on"):
+        cp_segment_tokens = 0  # AutoCP's split follows the batch (qla_serving.backend.batch_invariant)
     if num_v_heads is not None and cp_segment_tokens != 0:
         if sm_count is None:
             sm_count = _sm_count(device)
