@@ -1025,6 +1025,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{drafts_accepted(m) if r['scenario'].startswith(tuple(SPEC_NAMES.values())) else ''} | "
                      f"{r.get('oracle_distinct_tokens') if r.get('oracle_distinct_tokens') is not None else '—'} | "
                      f"{logprob_cells(r)} |")
+    lines += by_prompt_length(rows)
     lines += ["", ("Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"
                "eviction with its flood of unrelated prompts), a speculative server's in all; rows without "
                "`scenario_metrics` in the JSON show the server's totals. Drafts accepted: vLLM's accepted of "
@@ -1041,6 +1042,38 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                f"{TIE_NATS} nats or more and those that drifted {STATE_NATS:g} or more (named): rounding "
                "stays under the second, a state that is not the request's does not.")]
     return "\n".join(lines) + "\n"
+
+
+# prompt lengths the load table groups by: one token, below AutoCP's shortest split (2048), up to
+# the engines' usual chunk (8192), longer
+LENGTH_GROUPS = ((1, 1), (2, 2047), (2048, 8191), (8192, None))
+
+
+def by_prompt_length(rows: list[dict]) -> list[str]:
+    """The load rows' agreement by prompt length, per backend (from ``per_request``, where the
+    requests carry logprobs): how often the first token (the prefill's) differs from the oracle's,
+    the mean tokens before divergence and the drift; none without such rows."""
+    loads = [r for r in rows if r.get("scenario") == "load" and any(
+        "prompt_tokens" in d for d in (r.get("per_request") or {}).values())]
+    if not loads:
+        return []
+    lines = ["", "Load by prompt length (per request: first token differs from the oracle's, tokens before the "
+             "first divergence, logprob drift over the shared tokens):", "",
+             "| backend | prompt tokens | requests | first token differs | mean tokens before divergence | "
+             "drift median / max |", "|---|---|---|---|---|---|"]
+    for r in loads:
+        for lo, hi in LENGTH_GROUPS:
+            group = [d for d in r["per_request"].values()
+                     if "prompt_tokens" in d and lo <= d["prompt_tokens"] and (hi is None or d["prompt_tokens"] <= hi)]
+            if not group:
+                continue
+            drifts = sorted(d["drift"] for d in group)
+            span = f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi else f"{lo}+")
+            first = sum(d["agreeing"] == 0 for d in group)
+            lines.append(f"| {r['backend']} | {span} | {len(group)} | {first} ({first / len(group):.0%}) | "
+                         f"{sum(d['agreeing'] for d in group) / len(group):.1f} | "
+                         f"{drifts[len(drifts) // 2]:.3f} / {drifts[-1]:.3f} |")
+    return lines
 
 
 def state_drifts(r: dict) -> list[str]:

@@ -991,3 +991,24 @@ def test_stress_slots_beside_their_oracle_wait_for_it(tmp_path):
     assert "made by the run beside this one" in beside and "# flashqla oracle" not in beside, beside
     assert "# flashqla stress" in beside
     assert "# default oracle" in alone and "# default stress" in alone and "made by the run" not in alone, alone
+
+
+def test_the_load_table_by_prompt_length():
+    """The markdown groups the load row's requests by prompt length per backend: first tokens that
+    differ, mean tokens before divergence, drift median / max; nothing without per-request lengths."""
+    per = {"load-0": {"agreeing": 0, "drift": 0.5, "prompt_tokens": 1},
+           "load-1": {"agreeing": 32, "drift": 0.1, "prompt_tokens": 1},
+           "load-2": {"agreeing": 10, "drift": 0.2, "prompt_tokens": 3000},
+           "load-3": {"agreeing": 4, "drift": 0.3, "prompt_tokens": 9000}}
+    rows = [{"backend": "flashqla", "scenario": "load", "per_request": per},
+            {"backend": "flashqla", "scenario": "prefix", "per_request": per}]
+    lines = stress.by_prompt_length(rows)
+    assert "| flashqla | 1 | 2 | 1 (50%) | 16.0 | 0.500 / 0.500 |" in lines
+    assert "| flashqla | 2048-8191 | 1 | 0 (0%) | 10.0 | 0.200 / 0.200 |" in lines
+    assert "| flashqla | 8192+ | 1 | 0 (0%) | 4.0 | 0.300 / 0.300 |" in lines
+    assert not any("2-2047" in line for line in lines) and sum("| flashqla |" in line for line in lines) == 3
+    assert stress.by_prompt_length([{"backend": "x", "scenario": "load", "per_request": {"a": {"agreeing": 1, "drift": 0}}}]) == []
+    row = {**rows[0], "sent": 4, "completed": 4, "aborted": 0, "failed_clean": 0, "failed_other": 0, "crashed": False,
+           "compared": 4, "mean_tokens_before_divergence": 11.5, "diverged_within_16": 3}
+    md = stress.markdown({"engine": "sglang", "tp": 1, "gpu": "g", "model": "m", "command": "c"}, [row])
+    assert "Load by prompt length" in md and "| flashqla | 8192+ | 1 | 0 (0%) | 4.0 | 0.300 / 0.300 |" in md
