@@ -1057,10 +1057,10 @@ def by_prompt_length(rows: list[dict]) -> list[str]:
         "prompt_tokens" in d for d in (r.get("per_request") or {}).values())]
     if not loads:
         return []
-    lines = ["", "Load by prompt length (per request: first token differs from the oracle's, tokens before the "
-             "first divergence, logprob drift over the shared tokens):", "",
-             "| backend | prompt tokens | requests | first token differs | mean tokens before divergence | "
-             "drift median / max |", "|---|---|---|---|---|---|"]
+    lines = ["", ("Load by prompt length (per request: first token differs from the oracle's, tokens before the "
+                  "first divergence, logprob drift over the shared tokens):"), "",
+             ("| backend | prompt tokens | requests | first token differs | mean tokens before divergence | "
+              "drift median / max |"), "|---|---|---|---|---|---|"]
     for r in loads:
         for lo, hi in LENGTH_GROUPS:
             group = [d for d in r["per_request"].values()
