@@ -27,8 +27,10 @@ DECODE_CONFIGS: dict = {
     # holds the call's pair count wins. Tile text ROWSxTHREADS[lLANES][bMINBLOCKS][s]: one CTA
     # per (sequence, value head, ROWS state rows), LANES lanes share a row (8 if omitted), s
     # streams the in-place update (kernels/decode_program.py, DecodeTile). Small calls (<= 128 pairs)
-    # want more CTAs in flight; above that one tile per pool dtype was best in every swept cell.
-    "float32": {"bands": [(128, "16x128"), (None, "8x32l32s")]},
+    # want more CTAs in flight. A pool dtype's bands share one lane count, which alone sets a row's
+    # summation order, so a sequence decodes to the same bits alone and in any batch (float32's
+    # 8x32s is 0.5-0.7% behind the sweep's fastest, 8x32l32s, whose 32 lanes would break that).
+    "float32": {"bands": [(128, "16x128"), (None, "8x32s")]},
     "bfloat16": {"bands": [(128, "16x128"), (None, "16x64s")]},
 }
 

@@ -57,17 +57,18 @@ def fresh_rows_on_decode() -> bool:
 
 def batch_invariant() -> bool:
     """Whether ``QLA_BATCH_INVARIANT=1`` asks that a sequence's outputs and states be the same bits
-    whatever else its step holds: every decode call of a pool dtype reduces over K in one order
-    (the decode tile's lanes per row, whatever the batch size), and the prefill plans no AutoCP
-    (whose segments, and whether it splits at all, follow the batch). Off by default: it gives
-    up AutoCP's speed on long prompts in small batches (docs/e2e.md, "Batch invariance")."""
+    whatever else its step holds: the prefill plans no AutoCP (whose segments, and whether it
+    splits at all, follow the batch), and every decode call of a pool dtype reduces over K in one
+    order (the configured bands already share one lane count; the flag holds a table whose bands
+    do not to its first band's). Off by default: it gives up AutoCP's speed on long prompts in
+    small batches (docs/e2e.md, "Batch invariance")."""
     return decode.batch_invariant_requested()
 
 
 def batch_invariant_note() -> str:
     """What the engines' start-up line adds under ``QLA_BATCH_INVARIANT=1`` ("" otherwise)."""
-    return ("; batch-invariant (QLA_BATCH_INVARIANT=1): one decode reduction order at every batch size, "
-            "no AutoCP" if batch_invariant() else "")
+    return ("; batch-invariant (QLA_BATCH_INVARIANT=1): no AutoCP, one decode reduction order at every "
+            "batch size" if batch_invariant() else "")
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ from qla_serving.kernels import chunk_prefill, decode
 
 PREFILL = [(16, 32, "bfloat16", "float32", "bfloat16", True), (2, 8, "bfloat16", "float32", "float32", True),
            (16, 64, "float16", "float16", "float32", False)]
-DECODE = [(16, 32, 1, torch.bfloat16, torch.bfloat16, "16x64s"), (16, 48, 4, torch.bfloat16, torch.float32, "8x32l32s"),
+DECODE = [(16, 32, 1, torch.bfloat16, torch.bfloat16, "16x64s"), (16, 48, 4, torch.bfloat16, torch.float32, "8x32s"),
           (2, 8, 1, torch.float16, torch.float32, "16x128")]
 
 

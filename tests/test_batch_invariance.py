@@ -43,6 +43,19 @@ def test_decode_tiles_share_one_lane_count(monkeypatch):
         assert str(decode.batch_invariant_tile(1, "float32")) == "8x32l32s"
 
 
+def test_each_pool_dtypes_bands_share_one_lane_count():
+    """Without the flag too: the configured decode bands of a pool dtype have one lane count, so a
+    sequence's decode has one summation order at every batch size (kernels/configs.py)."""
+    from qla_serving.kernels import decode
+
+    for name in ("float32", "bfloat16"):
+        bands = decode._configured_tiles(name)
+        assert len(bands) > 1, "one band: the test would prove nothing"
+        lanes = {t.lanes_per_row for _, t in bands}
+        assert len(lanes) == 1, (name, [str(t) for _, t in bands])
+        assert [decode.batch_invariant_tile(p, name) for p in PAIRS] == [decode.tile_for(p, name) for p in PAIRS]
+
+
 def test_the_flag_is_read_by_a_fresh_process():
     code = ("import torch; from qla_serving.kernels import decode; "
             "print(decode._tile_for(10**5, torch.float32).lanes_per_row, decode._tile_for(1, torch.float32).lanes_per_row)")
@@ -71,14 +84,15 @@ def test_no_autocp_under_the_flag(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("flag", [False, True], ids=["default", "flag"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_decode_alone_and_in_a_large_batch_are_the_same_bits(pool_dtype):
+def test_decode_alone_and_in_a_large_batch_are_the_same_bits(pool_dtype, flag):
     """One sequence at 16/32 heads: alone (32 pairs, the small band) and at a random place among
-    63 others (2048 pairs, the large band), the same output and state bits under the flag, and
-    both within tolerance of the float64 recurrence."""
+    63 others (2048 pairs, the large band), the same output and state bits with the configured
+    bands and under the flag, and both within tolerance of the float64 recurrence."""
     from qla_serving.bench.invariance import batch_invariant, decode_alone_and_in_batch
 
-    with batch_invariant(True):
+    with batch_invariant(flag):
         d = decode_alone_and_in_batch(pool_dtype)
     name = str(pool_dtype).split(".")[1]
     from qla_serving.kernels import decode

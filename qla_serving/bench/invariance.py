@@ -2,14 +2,15 @@
 
 A served request is run alone by the stress harness's oracle and among other requests under load
 (``e2e_bench/stress.py``); whatever the kernels compute differently for the same sequence in the
-two calls shows as drift from the oracle. Two of ours can: the decode tile (its lanes per row set
-the order of the sums over K) follows the call's (sequence, head) pair count, and AutoCP splits a
-long sequence by what else the batch holds. ``QLA_BATCH_INVARIANT=1`` removes both
-(:func:`qla_serving.backend.batch_invariant`).
+two calls shows as drift from the oracle. The decode tile follows the call's (sequence, head) pair
+count, but its lanes per row, which alone set the order of the sums over K, are one per pool dtype
+(``kernels/configs.py``); AutoCP splits a long sequence by what else the batch holds, and
+``QLA_BATCH_INVARIANT=1`` turns it off (:func:`qla_serving.backend.batch_invariant`).
 
 ``python -m qla_serving.bench.invariance`` (on the GPU) prints, for each pool dtype, how far the
 sequence's output and state move between the two calls with the flag off and on; the GPU tests in
-``tests/test_batch_invariance.py`` assert the bits equal with it on.
+``tests/test_batch_invariance.py`` assert the decode's bits equal with the configured tiles and the
+prefill's with the flag on.
 """
 
 from __future__ import annotations

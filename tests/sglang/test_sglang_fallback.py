@@ -305,7 +305,7 @@ def test_warmup_calls_the_ops_on_a_cuda_device(monkeypatch):
 
 @pytest.mark.parametrize("invariant", ["0", "1"])
 def test_the_dispatcher_line_says_when_batch_invariant(server_args, build_dispatcher, monkeypatch, caplog, invariant):
-    """QLA_BATCH_INVARIANT=1 (one decode reduction order, no AutoCP) is named in the line SGLang's
+    """QLA_BATCH_INVARIANT=1 (no AutoCP) is named in the line SGLang's
     dispatcher logs when it takes our kernel."""
     monkeypatch.setenv("QLA_BATCH_INVARIANT", invariant)
     with caplog.at_level(logging.INFO, logger="qla_serving"):

@@ -431,7 +431,7 @@ def test_random_bench_weights_put_gemma_norms_at_zero(flashqla_config, distribut
 
 @pytest.mark.parametrize("invariant", ["0", "1"])
 def test_the_start_up_line_says_when_batch_invariant(flashqla_config, distributed, monkeypatch, caplog, invariant):
-    """QLA_BATCH_INVARIANT=1 (one decode reduction order, no AutoCP) is named in the engine's log."""
+    """QLA_BATCH_INVARIANT=1 (no AutoCP) is named in the engine's log."""
     from qla_serving.integrations.vllm import layer as qla_layer
 
     monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
