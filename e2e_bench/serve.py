@@ -561,6 +561,35 @@ def server_capacity(engine: str, log_text: str) -> dict:
     return out
 
 
+# The engines' own generation throughput lines: SGLang's scheduler every 40 decode steps, vLLM's
+# stat logger every 10 s (its window's prompt throughput beside it).
+ENGINE_RATE_PATTERNS = {
+    "sglang": re.compile(r"Decode batch, #running-req: (?P<running>\d+),.*?gen throughput \(token/s\): (?P<rate>[\d.]+)"),
+    "vllm": re.compile(r"Avg prompt throughput: (?P<prompt>[\d.]+) tokens/s, Avg generation throughput: "
+                       r"(?P<rate>[\d.]+) tokens/s, Running: (?P<running>\d+) reqs"),
+}
+
+
+def engine_decode_rate(engine: str, log_text: str, running: int) -> dict:
+    """The engine's own decode rate over a point: the median of its logged generation throughput
+    where it held ``running`` requests (the point's concurrency, a full batch) and, for vLLM, took
+    no prompt tokens in the window. It is the steps' pace without the client's ramp-up and tail,
+    which move a point's throughput between two runs of one server by several percent. Returns
+    ``engine_decode_tok_s`` and ``engine_decode_lines`` (how many lines), or {} when none qualify."""
+    rates = [float(m["rate"]) for m in ENGINE_RATE_PATTERNS[engine].finditer(log_text)
+             if int(m["running"]) == running and float(m.groupdict().get("prompt") or 0) == 0]
+    return {"engine_decode_tok_s": statistics.median(rates), "engine_decode_lines": len(rates)} if rates else {}
+
+
+def read_from(path: pathlib.Path, offset: int) -> str:
+    """The text a log gained after byte ``offset``."""
+    if not path.is_file():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
 def resolve_default(engine: str, log_text: str) -> str | None:
     """The GDN backend the engine picked with no flag, read from its log (SGLang: one name when
     decode and prefill agree, else ``<prefill> prefill, <decode> decode``)."""
@@ -777,6 +806,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                     ccmd = client_command(s, workload, conc, n, str(res), warmups=min(conc, args.warmups))
                     res.unlink(missing_ok=True)  # an earlier call's file must not stand in for this point
                     t1 = time.monotonic()
+                    log_at = logf.stat().st_size if logf.is_file() else 0
                     with ClockSampler(work / f"clocks-{name}.csv") as clocks, HostSampler(getattr(proc, "pid", None)) as host:
                         rc, err = client.run(ccmd, work / f"client-{name}.log")
                     input_len, output_len = WORKLOADS[workload]
@@ -788,7 +818,8 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
                     if rc != 0 or not res.is_file():
                         row["error"] = f"client exit {rc}: {err or ''} {tail(work / f'client-{name}.log', 5)}"
                     else:
-                        row.update(parse_client_result(s.engine, str(res)), **clocks.summary, **host.summary)
+                        row.update(parse_client_result(s.engine, str(res)), **clocks.summary, **host.summary,
+                                   **engine_decode_rate(s.engine, read_from(logf, log_at), conc))
                     if not row.get("error") and row["completed"] < n:  # the clients count failed requests, exit 0
                         row["error"] = f"{row['completed']} of {n} requests completed"
                     if row.get("error"):
@@ -936,7 +967,7 @@ def load_samples(work: pathlib.Path, backend: str, key: dict) -> list[dict]:
 # per point, the value of each of these is the median over the point's runs (servers x rounds)
 MEDIAN_KEYS = ("request_throughput", "total_tok_s", "output_tok_s", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
                "p99_tpot_ms", "mean_itl_ms", "startup_s", "sm_clock_mhz_median", "sm_clock_mhz_min", "power_w_mean",
-               "host_busy_pct", "host_steal_pct", "server_cpus")
+               "host_busy_pct", "host_steal_pct", "server_cpus", "engine_decode_tok_s")
 SPREAD_KEYS = ("total_tok_s", "mean_ttft_ms", "mean_tpot_ms")
 
 
@@ -1073,10 +1104,16 @@ def markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> st
                   "they share GPUs); a "
                   "server's absolute numbers move with the host, the pair's ratio much less. Medians over "
                   "the pairs (lowest-highest).", "",
-                  "| workload | conc | versus | pairs | total tok/s | mean TTFT | mean TPOT |", "|---|---|---|---|---|---|---|"]
-        rng = lambda a: f"{a['median']:.3f}x ({a['min']:.3f}-{a['max']:.3f})"  # noqa: E731
+                  "| workload | conc | versus | pairs | total tok/s | mean TTFT | mean TPOT | engine's decode tok/s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        rng = lambda a: f"{a['median']:.3f}x ({a['min']:.3f}-{a['max']:.3f})" if a else "—"  # noqa: E731
         lines += [f"| {a['workload']} | {a['concurrency']} | {a['versus']} | {a['pairs']} | {rng(a['total_tok_s'])} | "
-                  f"{rng(a['mean_ttft'])} | {rng(a['mean_tpot'])} |" for a in paired]
+                  f"{rng(a['mean_ttft'])} | {rng(a['mean_tpot'])} | {rng(a.get('engine_decode_tok_s'))} |" for a in paired]
+        if any(a.get("engine_decode_tok_s") for a in paired):
+            lines.append("")
+            lines.append("Engine's decode tok/s: the engine's own generation throughput lines (SGLang every 40 decode "
+                         "steps, vLLM every 10 s) while it held the point's concurrency, median per run: the "
+                         "steps' pace without the client's ramp-up and tail.")
         lines.append("")
     lines += profiles_markdown(meta)
     lines += bound_markdown(meta, rows, runs)
@@ -1102,12 +1139,12 @@ def markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> st
         lines += [f"## {workload} ({sub[0]['input_len']} in / {sub[0]['output_len']} out)", "",
                   "| backend | conc | prompts | total tok/s | output tok/s | req/s | mean TTFT ms | p99 TTFT ms | "
                   "mean TPOT ms | p99 TPOT ms | agree | SM MHz median (min) | power W | clock limits | "
-                  "host busy % (steal) | server CPUs |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "host busy % (steal) | server CPUs | engine's decode tok/s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(sub, key=lambda r: (r["concurrency"], r["backend"])):
             if r.get("error"):
                 lines.append(f"| {r['backend']} | {r['concurrency']} | {r.get('num_prompts')} | failed: "
-                             f"{r['error'][:80]} | | | | | | | | | | | | |")
+                             f"{r['error'][:80]} | | | | | | | | | | | | | |")
                 continue
             lines.append(f"| {r['backend']} | {r['concurrency']} | {r['num_prompts']} | {fmt(r['total_tok_s'], 0)} | "
                          f"{fmt(r['output_tok_s'], 0)} | {fmt(r['request_throughput'], 2)} | "
@@ -1116,7 +1153,7 @@ def markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> st
                          f"{fmt(r.get('sm_clock_mhz_median'), 0)} ({fmt(r.get('sm_clock_mhz_min'), 0)}) | "
                          f"{fmt(r.get('power_w_mean'), 0)} | {', '.join(r.get('clock_limits') or []) or '—'} | "
                          f"{fmt(r.get('host_busy_pct'), 0)} ({fmt(r.get('host_steal_pct'), 1)}) | "
-                         f"{fmt(r.get('server_cpus'), 2)} |")
+                         f"{fmt(r.get('server_cpus'), 2)} | {fmt(r.get('engine_decode_tok_s'), 0)} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -1254,18 +1291,23 @@ def paired_ratios(runs: list[dict], ours: str = "flashqla") -> list[dict]:
     for r in runs:
         if r.get("lockstep") and not r.get("error"):
             groups.setdefault((r["workload"], r["concurrency"], r["lockstep"], r.get("round", 1)), []).append(r)
-    pairs: dict[tuple, list[tuple[float, float, float]]] = {}
+    pairs: dict[tuple, list[dict]] = {}
     for (w, c, _, _), group in groups.items():
         for mine in (r for r in group if r["backend"] == ours):
             for other in (r for r in group if r["backend"] not in OURS):
-                pairs.setdefault((w, c, other.get("backend_resolved") or other["backend"]), []).append(
-                    (mine["total_tok_s"] / other["total_tok_s"], mine["mean_ttft_ms"] / other["mean_ttft_ms"],
-                     mine["mean_tpot_ms"] / other["mean_tpot_ms"]))
+                ratio = {"total_tok_s": mine["total_tok_s"] / other["total_tok_s"],
+                         "mean_ttft": mine["mean_ttft_ms"] / other["mean_ttft_ms"],
+                         "mean_tpot": mine["mean_tpot_ms"] / other["mean_tpot_ms"]}
+                if mine.get("engine_decode_tok_s") and other.get("engine_decode_tok_s"):
+                    ratio["engine_decode_tok_s"] = mine["engine_decode_tok_s"] / other["engine_decode_tok_s"]
+                pairs.setdefault((w, c, other.get("backend_resolved") or other["backend"]), []).append(ratio)
     out = []
     for (w, c, versus), vals in pairs.items():
         stats = {}
-        for name, xs in zip(("total_tok_s", "mean_ttft", "mean_tpot"), zip(*vals)):
-            stats[name] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        for name in ("total_tok_s", "mean_ttft", "mean_tpot", "engine_decode_tok_s"):
+            xs = [v[name] for v in vals if name in v]
+            if xs:
+                stats[name] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "pairs": len(xs)}
         out.append({"workload": w, "concurrency": c, "versus": versus, "pairs": len(vals), **stats})
     return out
 

@@ -945,6 +945,60 @@ def test_ratios_come_from_runs_measured_together():
     assert "measured together" not in serve.markdown({"engine": "vllm", "tp": 1}, rows)
 
 
+SGLANG_DECODE_LINE = ("[2026-11-28 16:18:20] Decode batch, #running-req: {n}, #full token: 377472, full token usage: "
+                      "0.03, mamba num: 256, mamba usage: 0.16, cuda graph: True, gen throughput (token/s): {rate}, "
+                      "#queue-req: 0\n")
+VLLM_STATS_LINE = ("(APIServer pid=1) INFO 11-28 16:18:20 [loggers.py:259] Engine 000: Avg prompt throughput: {prompt} "
+                   "tokens/s, Avg generation throughput: {rate} tokens/s, Running: {n} reqs, Waiting: 0 reqs, "
+                   "GPU KV cache usage: 3.1%, Prefix cache hit rate: 0.0%\n")
+
+
+def test_the_engines_decode_rate_is_the_median_of_its_full_batch_lines():
+    """SGLang's decode lines and vLLM's stat lines at the point's concurrency; vLLM's windows that
+    took prompt tokens and every line of a smaller batch are left out."""
+    text = "".join(SGLANG_DECODE_LINE.format(n=n, rate=r) for n, r in
+                   ((1, 9.3), (128, 16269.0), (128, 16508.2), (127, 99999.0), (128, 16255.5)))
+    assert serve.engine_decode_rate("sglang", text, 128) == {"engine_decode_tok_s": 16269.0, "engine_decode_lines": 3}
+    assert serve.engine_decode_rate("sglang", text, 64) == {}
+    text = "".join(VLLM_STATS_LINE.format(prompt=p, rate=r, n=n) for p, r, n in
+                   ((2048.0, 900.0, 128), (0.0, 5000.0, 128), (0.0, 5200.0, 128), (0.0, 8000.0, 100)))
+    assert serve.engine_decode_rate("vllm", text, 128) == {"engine_decode_tok_s": 5100.0, "engine_decode_lines": 2}
+
+
+def test_a_points_engine_rate_comes_from_the_log_lines_written_during_it(tmp_path, monkeypatch):
+    """Lines the server logged before a point (the start-up, the warm-up, the point before) do not
+    count for it; the medians, the pairs and both tables carry the rate."""
+    calls = []
+    _fake_engine(monkeypatch, calls)
+    logf = tmp_path / "server-flashqla.log"
+    logf.write_text(VLLM_STATS_LINE.format(prompt=0.0, rate=1.0, n=32))  # before any point
+    during = iter([[7.0], [100.0, 300.0, 200.0], [50.0]])  # warm-up, round 1, round 2
+    fake = serve.Client
+
+    class LoggingClient(fake):
+        def run(self, cmd, log_path):
+            out = super().run(cmd, log_path)
+            with open(logf, "a") as f:
+                f.writelines(VLLM_STATS_LINE.format(prompt=0.0, rate=r, n=32) for r in next(during))
+            return out
+
+    monkeypatch.setattr(serve, "Client", LoggingClient)
+    args = serve.parse_args(["--engine", "vllm", "--workloads", "short", "--concurrency", "32", "--repeats", "2",
+                             "--agree-prompts", "0", "--lockstep", "A:1"])
+    rows, _ = serve.run_backend(serve.Setup("vllm", str(tmp_path / "model"), 1, 4096), "flashqla", args, tmp_path,
+                                [], float("inf"))
+    assert [(r["engine_decode_tok_s"], r["engine_decode_lines"]) for r in rows] == [(200.0, 3), (50.0, 1)]
+    rows = [{**r, "agree_fraction": 1.0} for r in rows]  # (main adds it)
+    assert serve.median_rows(rows)[0]["engine_decode_tok_s"] == 125.0
+    theirs = [{**r, "backend": "triton", "engine_decode_tok_s": 100.0} for r in rows]
+    (p,) = serve.paired_ratios(rows + theirs)
+    assert p["engine_decode_tok_s"] == {"median": 1.25, "min": 0.5, "max": 2.0, "pairs": 2}
+    md = serve.markdown({"engine": "vllm", "tp": 1}, serve.median_rows(rows + theirs), rows + theirs)
+    assert "| 1.000x (1.000-1.000) | 1.250x (0.500-2.000) |" in md
+    # the per-point table's last cell
+    assert any(line.startswith("| flashqla | 32 |") and line.endswith("| 125 |") for line in md.splitlines())
+
+
 def _profiled(backend, gdn, step, kernels, resolved=None, host_us=None, sample=1):
     return {"backend": backend, "resolved": resolved or backend, "sample": sample, "profile": {
         "trace": f"t-{backend}-{sample}", "kernel_ms_per_step": kernels, "step_period_ms": step,
