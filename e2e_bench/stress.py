@@ -1026,6 +1026,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                      f"{r.get('oracle_distinct_tokens') if r.get('oracle_distinct_tokens') is not None else '—'} | "
                      f"{logprob_cells(r)} |")
     lines += by_prompt_length(rows)
+    lines += paired_markdown(rows)
     lines += ["", ("Preemptions and prefix hits (tokens): the stress server's counters while the row ran (prefix-after-"
                "eviction with its flood of unrelated prompts), a speculative server's in all; rows without "
                "`scenario_metrics` in the JSON show the server's totals. Drafts accepted: vLLM's accepted of "
@@ -1073,6 +1074,54 @@ def by_prompt_length(rows: list[dict]) -> list[str]:
             lines.append(f"| {r['backend']} | {span} | {len(group)} | {first} ({first / len(group):.0%}) | "
                          f"{sum(d['agreeing'] for d in group) / len(group):.1f} | "
                          f"{drifts[len(drifts) // 2]:.3f} / {drifts[-1]:.3f} |")
+    return lines
+
+
+def paired_with_default(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[dict]:
+    """Each of our backends against the default, request by request: per scenario (the load also by
+    prompt length, ``LENGTH_GROUPS``), over the requests both answered, the mean of ours minus the
+    default's tokens before the first divergence (each against its own oracle) with a bootstrap 95%
+    interval (``draws`` resamples, seeded), and how many parted later for each. The interval says
+    whether "at least as close as the default" is told apart from the requests' own scatter."""
+    rng = random.Random(seed)
+
+    def key(r: dict) -> tuple[str, bool]:
+        return r["scenario"], bool(r.get("forced"))
+    default = {key(r): r["per_request"] for r in rows if r.get("backend") == "default" and r.get("per_request")}
+    out = []
+    for r in rows:
+        theirs = default.get(key(r)) if r.get("backend") != "default" and r.get("per_request") else None
+        if not theirs:
+            continue
+        groups = [(None, None)] + (list(LENGTH_GROUPS) if r["scenario"] == "load" else [])
+        for lo, hi in groups:
+            ids = [k for k, d in r["per_request"].items() if k in theirs and (lo is None or (
+                lo <= d.get("prompt_tokens", -1) and (hi is None or d["prompt_tokens"] <= hi)))]
+            if not ids:
+                continue
+            diffs = [r["per_request"][k]["agreeing"] - theirs[k]["agreeing"] for k in ids]
+            means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(draws))
+            out.append({"backend": r["backend"], "scenario": key(r)[0] + (" (forced)" if key(r)[1] else ""),
+                        "prompt_tokens": "all" if lo is None else (f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi else f"{lo}+")),
+                        "requests": len(ids), "mean_diff": sum(diffs) / len(diffs),
+                        "low": means[int(0.025 * draws)], "high": means[int(0.975 * draws) - 1],
+                        "ours_later": sum(x > 0 for x in diffs), "default_later": sum(x < 0 for x in diffs)})
+    return out
+
+
+def paired_markdown(rows: list[dict]) -> list[str]:
+    """:func:`paired_with_default` as a table (none without both backends' per-request rows)."""
+    paired = paired_with_default(rows)
+    if not paired:
+        return []
+    lines = ["", ("Request by request against the default (the same requests, each backend against its own "
+                  "oracle): ours minus the default's tokens before the first divergence, mean and bootstrap 95% "
+                  "interval; an interval below 0 is ours parting sooner beyond the requests' scatter."), "",
+             "| backend | scenario | prompt tokens | requests | ours minus default (95%) | parted later: ours / default |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {a['backend']} | {a['scenario']} | {a['prompt_tokens']} | {a['requests']} | "
+              f"{a['mean_diff']:+.2f} ({a['low']:+.2f}..{a['high']:+.2f}) | {a['ours_later']} / {a['default_later']} |"
+              for a in paired]
     return lines
 
 

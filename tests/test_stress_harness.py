@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import pathlib
+import random
 import socket
 import subprocess
 import sys
@@ -1012,3 +1013,32 @@ def test_the_load_table_by_prompt_length():
            "compared": 4, "mean_tokens_before_divergence": 11.5, "diverged_within_16": 3}
     md = stress.markdown({"engine": "sglang", "tp": 1, "gpu": "g", "model": "m", "command": "c"}, [row])
     assert "Load by prompt length" in md and "| flashqla | 8192+ | 1 | 0 (0%) | 4.0 | 0.300 / 0.300 |" in md
+
+
+def test_ours_against_the_default_request_by_request():
+    """Fresh random requests: where ours parts 3 tokens sooner on every request the interval lies
+    below 0; where ours has the default's counts on other requests it holds 0; requests only one side answered,
+    rows without a default, and the default itself are left out."""
+    rng = random.Random()
+    lengths = [rng.choice([1, 500, 3000, 20000]) for _ in range(400)]
+    default = {f"load-{i}": {"agreeing": rng.randint(4, 32), "prompt_tokens": n} for i, n in enumerate(lengths)}
+    sooner = {k: {**d, "agreeing": d["agreeing"] - 3} for k, d in default.items()}
+    shuffled = [d["agreeing"] for d in default.values()]
+    rng.shuffle(shuffled)  # the same counts on other requests: the mean difference is 0
+    alike = {k: {**d, "agreeing": a} for (k, d), a in zip(default.items(), shuffled)}
+    alike["only-ours"] = {"agreeing": 0, "prompt_tokens": 1}
+    rows = [{"backend": "flashqla", "scenario": "load", "per_request": sooner},
+            {"backend": "flashqla-batch-invariant", "scenario": "load", "per_request": alike},
+            {"backend": "default", "scenario": "load", "per_request": default},
+            {"backend": "flashqla", "scenario": "abort", "per_request": sooner}]  # no default row: left out
+    paired = {(a["backend"], a["prompt_tokens"]): a for a in stress.paired_with_default(rows)}
+    assert {b for b, _ in paired} == {"flashqla", "flashqla-batch-invariant"}
+    for span in ("all", "1", "2-2047", "2048-8191", "8192+"):
+        a = paired[("flashqla", span)]
+        assert a["mean_diff"] == -3 and a["high"] == -3 and a["ours_later"] == 0 and a["default_later"] == a["requests"]
+    a = paired[("flashqla-batch-invariant", "all")]
+    assert a["requests"] == 400 and a["mean_diff"] == 0 and a["low"] < 0 < a["high"]
+    assert sum(paired[("flashqla", s)]["requests"] for s in ("1", "2-2047", "2048-8191", "8192+")) == 400
+    md = "\n".join(stress.paired_markdown(rows))
+    assert "| flashqla | load | all | 400 | -3.00 (-3.00..-3.00) | 0 / 400 |" in md
+    assert stress.paired_markdown(rows[:2]) == []
