@@ -122,3 +122,35 @@ def test_prefill_alone_and_beside_others_are_the_same_bits(pool_dtype, monkeypat
     assert torch.equal(p["out"][0], p["out"][1]), "the output depends on the batch"
     assert torch.equal(p["state"][0], p["state"][1]), "the final state depends on the batch"
     assert torch.isfinite(p["out"].float()).all()
+
+
+def _check_whole_and_cut(c: dict, out_tol: float, state_tol: float) -> None:
+    r, ref = c["qla"], c["ref"]
+    for i in (0, 1):  # whole, cut: each close to the one-pass float64 recurrence
+        assert rel_err(r["out"][i], ref["out"]) < out_tol, i
+        assert rel_err(r["state"][i], ref["state"]) < state_tol, i
+    assert torch.isfinite(r["out"].float()).all()
+
+
+def test_a_prompt_cut_in_two_calls_continues_from_the_pool():
+    """On the CPU (the op's reference): the second call starts from the state the first left in
+    the pool, at a cut off the 64-token grid, and both ways match the float64 recurrence."""
+    from qla_serving.bench.invariance import prefill_whole_and_cut
+
+    c = prefill_whole_and_cut(torch.float32, length=200, num_qk_heads=2, num_v_heads=4, device="cpu")
+    assert 0 < c["cut"] < 200 and c["cut"] % 64 and "fla" not in c
+    assert c["qla"]["out"].shape == (2, 200, 4, V) and c["qla"]["state"].shape == (2, 4, V, K)
+    _check_whole_and_cut(c, 1e-2, 1e-4)
+    with pytest.raises(ValueError, match="cut=200"):
+        prefill_whole_and_cut(torch.float32, length=200, cut=200, num_qk_heads=2, num_v_heads=4, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_continue_a_prompt_cut_in_two_calls(pool_dtype):
+    """The kernels, a 3000-token prompt at 16/32 heads whole and cut at a random place: both within
+    tolerance of the float64 recurrence (a continuation that read the pool wrong would not be)."""
+    from qla_serving.bench.invariance import prefill_whole_and_cut
+
+    c = prefill_whole_and_cut(pool_dtype, length=3000)
+    _check_whole_and_cut(c, 1e-2, 1e-2)  # the prefill tests' tolerance (tests/test_prefill_kernel.py)

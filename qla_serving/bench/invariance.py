@@ -10,7 +10,9 @@ count, but its lanes per row, which alone set the order of the sums over K, are 
 ``python -m qla_serving.bench.invariance`` (on the GPU) prints, for each pool dtype, how far the
 sequence's output and state move between the two calls with the flag off and on; the GPU tests in
 ``tests/test_batch_invariance.py`` assert the decode's bits equal with the configured tiles and the
-prefill's with the flag on.
+prefill's with the flag on. It also runs one long prompt whole and cut in two calls, as SGLang's
+scheduler hands a prompt over in extends (:func:`prefill_whole_and_cut`), ours and FLA's, each
+against the float64 recurrence.
 """
 
 from __future__ import annotations
@@ -127,6 +129,105 @@ def prefill_alone_and_beside(pool_dtype: torch.dtype, *, length: int = 4096, bef
     return {"out": torch.stack(outs), "state": torch.stack(states), "split": split}
 
 
+def prefill_whole_and_cut(pool_dtype: torch.dtype, *, length: int = 12000, cut: int | None = None,
+                          num_qk_heads: int = 16, num_v_heads: int = 32, seed: int | None = None,
+                          device: str | None = None) -> dict:
+    """One ``length``-token prefill whole in one call and cut in two at token ``cut``, the second
+    call continuing from the state the first left in the pool: how SGLang's scheduler hands a long
+    prompt over in extends, cut where the step's token budget ends, which under load is elsewhere
+    than alone. Planned without AutoCP (no head count), so the cut is the only difference. FLA's
+    ``chunk_gated_delta_rule`` is run the same two ways where it imports and the device is CUDA.
+
+    Args:
+        pool_dtype: the pool's dtype, ``torch.float32`` (SGLang) or ``torch.bfloat16``.
+        length: the prompt's tokens.
+        cut: tokens of the first call, ``0 < cut < length``; default a random place that is not a
+            multiple of the 64-token chunk.
+        num_qk_heads, num_v_heads: heads per layer (GVA: the second a multiple of the first).
+        seed: the inputs' seed (default a fresh one).
+        device: default ``cuda`` where there is one (the kernels), else ``cpu`` (the op's reference).
+
+    Returns ``cut``; per implementation (``qla``, ``fla`` where it ran) a dict of ``out``
+    (``[2, length, HV, V]`` in bf16: whole, cut) and ``state`` (``[2, HV, V, K]`` float32: the final
+    state); and ``ref``: the float64 recurrence's ``out`` ``[length, HV, V]`` and ``state``."""
+    from ..ops.gated_delta_rule.chunk import chunk_gated_delta_rule_pool
+    from ..ops.gated_delta_rule.naive import recurrent_gated_delta_rule_ref
+    from ..plan import plan_prefill
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
+    T, H, HV = length, num_qk_heads, num_v_heads
+    if cut is None:
+        cut = int(torch.randint(1, T, (), device=device, generator=gen))
+        cut -= cut % 64 == 0  # off the chunk grid, as a token budget's end mostly is
+    if not 0 < cut < T:
+        raise ValueError(f"cut={cut}: the first call's tokens must be in 1..{T - 1} (length={T})")
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    q, k, v = randn(T, H, K).bfloat16(), randn(T, H, K).bfloat16(), randn(T, HV, V).bfloat16()
+    g = torch.nn.functional.logsigmoid(randn(T, HV) + 4.0)  # log decay <= 0, mostly slow (long memory)
+    beta = torch.sigmoid(randn(T, HV))
+    init = (randn(1, HV, V, K) * 0.1).to(pool_dtype)
+    index = torch.zeros(1, device=device, dtype=torch.int32)
+    result: dict = {"cut": cut}
+
+    outs, states = [], []
+    for parts in ((slice(0, T),), (slice(0, cut), slice(cut, T))):
+        pool = init.clone()
+        o = [chunk_gated_delta_rule_pool(q[r], k[r], v[r], g[r], beta[r], pool, index, use_qk_l2norm_in_kernel=True,
+                                         plan=plan_prefill([0, r.stop - r.start], device=device)) for r in parts]
+        outs.append(torch.cat(o))
+        states.append(pool[0].float())
+    result["qla"] = {"out": torch.stack(outs), "state": torch.stack(states)}
+
+    fla = _fla_chunk() if device == "cuda" else None
+    try:
+        if fla is not None:
+            result["fla"] = _fla_whole_and_cut(fla, q, k, v, g, beta, init, cut)
+    except Exception as e:  # noqa: BLE001 (FLA's own failure is a finding to print, not the measurement's end)
+        result["fla_error"] = f"{type(e).__name__}: {e}"
+
+    o_ref, s_ref, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=init.double(), use_qk_l2norm=True)
+    result["ref"] = {"out": o_ref, "state": s_ref[0]}
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return result
+
+
+def _fla_whole_and_cut(fla, q, k, v, g, beta, init, cut) -> dict:
+    """FLA's chunked op on one sequence whole and cut at ``cut``; outputs and states as ours."""
+    T, H, HV = q.shape[0], q.shape[1], v.shape[1]
+    rep = HV // H  # value head i reads q/k head i // rep, as the engines' GVA does
+    qe, ke = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    outs, states = [], []
+    for parts in ((slice(0, T),), (slice(0, cut), slice(cut, T))):
+        state = init.float().transpose(-1, -2).contiguous()  # FLA keeps the state [N, H, K, V]
+        o = []
+        for r in parts:
+            y, state = fla(qe[r][None], ke[r][None], v[r][None], g[r][None], beta[r][None], initial_state=state,
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+            o.append(y[0])
+        outs.append(torch.cat(o))
+        states.append(state[0].transpose(-1, -2).float())
+    return {"out": torch.stack(outs), "state": torch.stack(states)}
+
+
+def _fla_chunk():
+    """FLA's chunked gated delta rule, or None where FLA does not import."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref).norm() / ref.norm())
+
+
 def _moved(x: torch.Tensor) -> str:
     """How far the second of two results is from the first: elements that differ, largest difference."""
     d = (x[1].double() - x[0].double()).abs()
@@ -148,6 +249,18 @@ def main() -> int:
                   f"output {_moved(d['out'])}; state {_moved(d['state'])}")
             print(f"prefill {str(pool_dtype)[6:]:8s} {flag}: AutoCP split {p['split'][0]} / {p['split'][1]}; "
                   f"output {_moved(p['out'])}; state {_moved(p['state'])}")
+    print("# one prompt whole and cut in two calls (as SGLang's extends), no AutoCP; error against float64")
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        c = prefill_whole_and_cut(pool_dtype, seed=3)
+        for impl in ("qla", "fla"):
+            if impl in c:
+                r = c[impl]
+                print(f"cut {str(pool_dtype)[6:]:8s} {impl} at {c['cut']}: output {_moved(r['out'])}; state "
+                      f"{_moved(r['state'])}; rel err whole / cut: output {_rel(r['out'][0], c['ref']['out']):.3g} / "
+                      f"{_rel(r['out'][1], c['ref']['out']):.3g}, state {_rel(r['state'][0], c['ref']['state']):.3g} / "
+                      f"{_rel(r['state'][1], c['ref']['state']):.3g}")
+        if "fla_error" in c:
+            print(f"cut {str(pool_dtype)[6:]:8s} fla: failed ({c['fla_error']})")
     return 0
 
 
