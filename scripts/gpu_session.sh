@@ -6,7 +6,8 @@
 #   . .device/tilelang-fi/3/env.sh && bash scripts/gpu_session.sh tests bench-prefill bench-decode
 #
 # Steps: tests (pytest -m gpu), check (qla-serving check), batch-invariance (one sequence alone and in
-# a larger call of the decode and prefill kernels, QLA_BATCH_INVARIANT off and on), bench-prefill, bench-decode,
+# a larger call of the decode and prefill kernels, QLA_BATCH_INVARIANT off and on; one prompt whole and cut
+# in two calls, ours and FLA's), bench-prefill, bench-decode,
 # profile-prefill (Nsight Compute on prep and chunk_fwd: one chain-bound cell, 2/8 heads 1x8192
 # without AutoCP, and one throughput-bound cell, 16/64 heads 8x4096; details page and per-SASS-line
 # stall samples, the hottest lines summarised by scripts/ncu_hot.py, all in
