@@ -1050,6 +1050,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 LENGTH_GROUPS = ((1, 1), (2, 2047), (2048, 8191), (8192, None))
 
 
+def length_span(lo: int, hi: int | None) -> str:
+    """A ``LENGTH_GROUPS`` entry as the tables name it: ``1``, ``2-2047``, ``8192+``."""
+    return f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi else f"{lo}+")
+
+
 def by_prompt_length(rows: list[dict]) -> list[str]:
     """The load rows' agreement by prompt length, per backend (from ``per_request``, where the
     requests carry logprobs): how often the first token (the prefill's) differs from the oracle's,
@@ -1069,7 +1074,7 @@ def by_prompt_length(rows: list[dict]) -> list[str]:
             if not group:
                 continue
             drifts = sorted(d["drift"] for d in group)
-            span = f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi else f"{lo}+")
+            span = length_span(lo, hi)
             first = sum(d["agreeing"] == 0 for d in group)
             lines.append(f"| {r['backend']} | {span} | {len(group)} | {first} ({first / len(group):.0%}) | "
                          f"{sum(d['agreeing'] for d in group) / len(group):.1f} | "
@@ -1087,6 +1092,7 @@ def paired_with_default(rows: list[dict], draws: int = 2000, seed: int = 0) -> l
 
     def key(r: dict) -> tuple[str, bool]:
         return r["scenario"], bool(r.get("forced"))
+
     default = {key(r): r["per_request"] for r in rows if r.get("backend") == "default" and r.get("per_request")}
     out = []
     for r in rows:
@@ -1102,7 +1108,7 @@ def paired_with_default(rows: list[dict], draws: int = 2000, seed: int = 0) -> l
             diffs = [r["per_request"][k]["agreeing"] - theirs[k]["agreeing"] for k in ids]
             means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(draws))
             out.append({"backend": r["backend"], "scenario": key(r)[0] + (" (forced)" if key(r)[1] else ""),
-                        "prompt_tokens": "all" if lo is None else (f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi else f"{lo}+")),
+                        "prompt_tokens": "all" if lo is None else length_span(lo, hi),
                         "requests": len(ids), "mean_diff": sum(diffs) / len(diffs),
                         "low": means[int(0.025 * draws)], "high": means[int(0.975 * draws) - 1],
                         "ours_later": sum(x > 0 for x in diffs), "default_later": sum(x < 0 for x in diffs)})
