@@ -24,6 +24,8 @@ import sys
 
 import torch
 
+from .common import rel_err
+
 K = V = 128
 
 
@@ -224,10 +226,6 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref).norm() / ref.norm())
-
-
 def _moved(x: torch.Tensor) -> str:
     """How far the second of two results is from the first: elements that differ, largest difference."""
     d = (x[1].double() - x[0].double()).abs()
@@ -256,9 +254,9 @@ def main() -> int:
             if impl in c:
                 r = c[impl]
                 print(f"cut {str(pool_dtype)[6:]:8s} {impl} at {c['cut']}: output {_moved(r['out'])}; state "
-                      f"{_moved(r['state'])}; rel err whole / cut: output {_rel(r['out'][0], c['ref']['out']):.3g} / "
-                      f"{_rel(r['out'][1], c['ref']['out']):.3g}, state {_rel(r['state'][0], c['ref']['state']):.3g} / "
-                      f"{_rel(r['state'][1], c['ref']['state']):.3g}")
+                      f"{_moved(r['state'])}; rel err whole / cut: output {rel_err(r['out'][0], c['ref']['out']):.3g} / "
+                      f"{rel_err(r['out'][1], c['ref']['out']):.3g}, state {rel_err(r['state'][0], c['ref']['state']):.3g} / "
+                      f"{rel_err(r['state'][1], c['ref']['state']):.3g}")
         if "fla_error" in c:
             print(f"cut {str(pool_dtype)[6:]:8s} fla: failed ({c['fla_error']})")
     return 0
