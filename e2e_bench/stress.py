@@ -1084,9 +1084,11 @@ def by_prompt_length(rows: list[dict]) -> list[str]:
 
 def paired_with_default(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[dict]:
     """Each of our backends against the default, request by request: per scenario (the load also by
-    prompt length, ``LENGTH_GROUPS``), over the requests both answered, the mean of ours minus the
-    default's tokens before the first divergence (each against its own oracle) with a bootstrap 95%
-    interval (``draws`` resamples, seeded), and how many parted later for each. The interval says
+    prompt length, ``LENGTH_GROUPS``), over the requests both answered, how much closer to its own
+    oracle ours came than the default did to its own: tokens before the first divergence (ours
+    minus the default's), or, in forced rows (every answer the oracle's), the logprob drift (the
+    default's minus ours, nats). Mean with a bootstrap 95% interval (``draws`` resamples, seeded)
+    and how many requests came closer on each side; positive is ours closer. The interval says
     whether "at least as close as the default" is told apart from the requests' own scatter."""
     rng = random.Random(seed)
 
@@ -1099,19 +1101,25 @@ def paired_with_default(rows: list[dict], draws: int = 2000, seed: int = 0) -> l
         theirs = default.get(key(r)) if r.get("backend") != "default" and r.get("per_request") else None
         if not theirs:
             continue
+        forced = key(r)[1]
         groups = [(None, None)] + (list(LENGTH_GROUPS) if r["scenario"] == "load" else [])
         for lo, hi in groups:
             ids = [k for k, d in r["per_request"].items() if k in theirs and (lo is None or (
                 lo <= d.get("prompt_tokens", -1) and (hi is None or d["prompt_tokens"] <= hi)))]
+            if forced:
+                ids = [k for k in ids if r["per_request"][k].get("drift") is not None and theirs[k].get("drift") is not None]
+                diffs = [theirs[k]["drift"] - r["per_request"][k]["drift"] for k in ids]
+            else:
+                diffs = [r["per_request"][k]["agreeing"] - theirs[k]["agreeing"] for k in ids]
             if not ids:
                 continue
-            diffs = [r["per_request"][k]["agreeing"] - theirs[k]["agreeing"] for k in ids]
             means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(draws))
-            out.append({"backend": r["backend"], "scenario": key(r)[0] + (" (forced)" if key(r)[1] else ""),
+            out.append({"backend": r["backend"], "scenario": key(r)[0] + (" (forced)" if forced else ""),
                         "prompt_tokens": "all" if lo is None else length_span(lo, hi),
-                        "requests": len(ids), "mean_diff": sum(diffs) / len(diffs),
+                        "measure": "drift, nats" if forced else "tokens", "requests": len(ids),
+                        "mean_diff": sum(diffs) / len(diffs),
                         "low": means[int(0.025 * draws)], "high": means[int(0.975 * draws) - 1],
-                        "ours_later": sum(x > 0 for x in diffs), "default_later": sum(x < 0 for x in diffs)})
+                        "ours_closer": sum(x > 0 for x in diffs), "default_closer": sum(x < 0 for x in diffs)})
     return out
 
 
@@ -1121,13 +1129,17 @@ def paired_markdown(rows: list[dict]) -> list[str]:
     if not paired:
         return []
     lines = ["", ("Request by request against the default (the same requests, each backend against its own "
-                  "oracle): ours minus the default's tokens before the first divergence, mean and bootstrap 95% "
-                  "interval; an interval below 0 is ours parting sooner beyond the requests' scatter."), "",
-             "| backend | scenario | prompt tokens | requests | ours minus default (95%) | parted later: ours / default |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {a['backend']} | {a['scenario']} | {a['prompt_tokens']} | {a['requests']} | "
-              f"{a['mean_diff']:+.2f} ({a['low']:+.2f}..{a['high']:+.2f}) | {a['ours_later']} / {a['default_later']} |"
-              for a in paired]
+                  "oracle): how much closer ours came, mean and bootstrap 95% interval, in tokens before the "
+                  "first divergence (ours minus the default's) or, forced, in logprob drift (the default's minus "
+                  "ours); an interval below 0 is ours farther beyond the requests' scatter."), "",
+             "| backend | scenario | prompt tokens | requests | measure | ours closer by (95%) | closer: ours / default |",
+             "|---|---|---|---|---|---|---|"]
+    digits = {"tokens": 2, "drift, nats": 4}
+    for a in paired:
+        d = digits[a["measure"]]
+        lines.append(f"| {a['backend']} | {a['scenario']} | {a['prompt_tokens']} | {a['requests']} | {a['measure']} | "
+                     f"{a['mean_diff']:+.{d}f} ({a['low']:+.{d}f}..{a['high']:+.{d}f}) | "
+                     f"{a['ours_closer']} / {a['default_closer']} |")
     return lines
 
 

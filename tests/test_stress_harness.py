@@ -1035,10 +1035,18 @@ def test_ours_against_the_default_request_by_request():
     assert {b for b, _ in paired} == {"flashqla", "flashqla-batch-invariant"}
     for span in ("all", "1", "2-2047", "2048-8191", "8192+"):
         a = paired[("flashqla", span)]
-        assert a["mean_diff"] == -3 and a["high"] == -3 and a["ours_later"] == 0 and a["default_later"] == a["requests"]
+        assert a["mean_diff"] == -3 and a["high"] == -3 and a["ours_closer"] == 0 and a["default_closer"] == a["requests"]
     a = paired[("flashqla-batch-invariant", "all")]
     assert a["requests"] == 400 and a["mean_diff"] == 0 and a["low"] < 0 < a["high"]
     assert sum(paired[("flashqla", s)]["requests"] for s in ("1", "2-2047", "2048-8191", "8192+")) == 400
     md = "\n".join(stress.paired_markdown(rows))
-    assert "| flashqla | load | all | 400 | -3.00 (-3.00..-3.00) | 0 / 400 |" in md
+    assert "| flashqla | load | all | 400 | tokens | -3.00 (-3.00..-3.00) | 0 / 400 |" in md
     assert stress.paired_markdown(rows[:2]) == []
+    # forced rows (every answer the oracle's): the drift, the default's minus ours
+    drift = {k: {**d, "agreeing": 32, "drift": 0.05} for k, d in default.items()}
+    less = {k: {**d, "drift": d["drift"] - 0.01} for k, d in drift.items()}
+    forced = [{"backend": "flashqla", "scenario": "load", "forced": True, "per_request": less},
+              {"backend": "default", "scenario": "load", "forced": True, "per_request": drift}]
+    (a,) = [a for a in stress.paired_with_default(forced) if a["prompt_tokens"] == "all"]
+    assert a["scenario"] == "load (forced)" and a["measure"] == "drift, nats"
+    assert a["mean_diff"] == pytest.approx(0.01) and a["ours_closer"] == 400
