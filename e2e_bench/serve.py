@@ -1091,10 +1091,11 @@ def markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None) -> st
                   f"Throughput over {versus}'s, latencies over {versus}'s." if versus else
                   "Throughput over the built-in backend with the highest total throughput (named), output "
                   "throughput over the highest built-in one, latencies over the lowest built-in ones.", "",
-                  f"| workload | conc | {versus or 'best built-in'} | total tok/s | output tok/s | mean TTFT | mean TPOT |",
-                  "|---|---|---|---|---|---|---|"]
+                  (f"| workload | conc | {versus or 'best built-in'} | total tok/s | output tok/s | mean TTFT | "
+                   "mean TPOT | engine's decode tok/s |"), "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {a['workload']} | {a['concurrency']} | {a['best']} | {a['total_tok_s']:.3f}x | "
-                  f"{a['output_tok_s']:.3f}x | {a['mean_ttft']:.3f}x | {a['mean_tpot']:.3f}x |" for a in ratios]
+                  f"{a['output_tok_s']:.3f}x | {a['mean_ttft']:.3f}x | {a['mean_tpot']:.3f}x | "
+                  f"{fmt(a.get('engine_decode_tok_s'), 3)}{'x' if a.get('engine_decode_tok_s') else ''} |" for a in ratios]
         lines.append("")
     paired = paired_ratios(runs or [])
     if paired:
@@ -1314,8 +1315,9 @@ def paired_ratios(runs: list[dict], ours: str = "flashqla") -> list[dict]:
 
 def against_best(rows: list[dict], ours: str = "flashqla", versus: str | None = None) -> list[dict]:
     """Per workload and concurrency: ``ours`` over the best built-in backend (highest total
-    throughput) on throughput, and over the lowest built-in TTFT/TPOT on latency; with ``versus``,
-    over that backend's rows instead (an A/B of two of ours)."""
+    throughput) on throughput, over the lowest built-in TTFT/TPOT on latency, and over the highest
+    built-in engine decode rate where the rows have one; with ``versus``, over that backend's rows
+    instead (an A/B of two of ours)."""
     out = []
     ok = [r for r in rows if not r.get("error")]
     for w, c in dict.fromkeys((r["workload"], r["concurrency"]) for r in ok):
@@ -1331,6 +1333,9 @@ def against_best(rows: list[dict], ours: str = "flashqla", versus: str | None = 
                     "output_tok_s": mine["output_tok_s"] / max(r["output_tok_s"] for r in built_in),
                     "mean_ttft": mine["mean_ttft_ms"] / min(r["mean_ttft_ms"] for r in built_in),
                     "mean_tpot": mine["mean_tpot_ms"] / min(r["mean_tpot_ms"] for r in built_in)})
+        rates = [r["engine_decode_tok_s"] for r in built_in if r.get("engine_decode_tok_s")]
+        if mine.get("engine_decode_tok_s") and rates:  # over the highest built-in engine rate
+            out[-1]["engine_decode_tok_s"] = mine["engine_decode_tok_s"] / max(rates)
     return out
 
 

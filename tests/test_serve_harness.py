@@ -995,6 +995,9 @@ def test_a_points_engine_rate_comes_from_the_log_lines_written_during_it(tmp_pat
     assert p["engine_decode_tok_s"] == {"median": 1.25, "min": 0.5, "max": 2.0, "pairs": 2}
     md = serve.markdown({"engine": "vllm", "tp": 1}, serve.median_rows(rows + theirs), rows + theirs)
     assert "| 1.000x (1.000-1.000) | 1.250x (0.500-2.000) |" in md
+    # against the best built-in backend, by the medians: 125 over 100
+    (best,) = serve.against_best(serve.median_rows(rows + theirs))
+    assert best["engine_decode_tok_s"] == 1.25 and "| 1.000x | 1.250x |" in md
     # the per-point table's last cell
     assert any(line.startswith("| flashqla | 32 |") and line.endswith("| 125 |") for line in md.splitlines())
 
