@@ -68,11 +68,13 @@ WEIGHTS_ENV = "QLA_BENCH_WEIGHTS"
 # flashqla-fault is flashqla with a state fault (vLLM's qla_dummy weights only), the stress harness's
 # positive control (qla_serving.bench.faults); flashqla-one-token-prefill keeps the chunked prefill's
 # answer for a new one-token prompt that vLLM's split made a prefill row (QLA_FRESH_ON_DECODE=0);
-# flashqla-batch-invariant gives each sequence the same bits whatever its batch (QLA_BATCH_INVARIANT=1).
+# flashqla-batch-invariant gives each sequence the same bits whatever its batch (QLA_BATCH_INVARIANT=1);
+# flashqla-cp-per-sequence keeps AutoCP but splits each sequence as if alone (QLA_CP_PER_SEQUENCE=1).
 OURS = {"flashqla": {}, "flashqla-classic": {"QLA_PREFILL_PACKED": "0"}, "flashqla-bound": {"QLA_BOUND_LAUNCH": "1"},
         "flashqla-fault": {"QLA_BENCH_FAULT": "swap-decode-slots"},
         "flashqla-one-token-prefill": {"QLA_FRESH_ON_DECODE": "0"},
-        "flashqla-batch-invariant": {"QLA_BATCH_INVARIANT": "1"}}
+        "flashqla-batch-invariant": {"QLA_BATCH_INVARIANT": "1"},
+        "flashqla-cp-per-sequence": {"QLA_CP_PER_SEQUENCE": "1"}}
 DEFAULT_BACKENDS = ("flashqla", "default", "flashinfer", "triton")
 BACKENDS = DEFAULT_BACKENDS + tuple(o for o in OURS if o not in DEFAULT_BACKENDS)
 TOKENIZER_WORDS = 32000  # word ids 0..31999; the end-of-text token comes after them

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from . import plan
 from .constants import HEAD_DIM
 from .kernels import decode, library
 from .kernels.library import TILELANG_VERSION, KernelUnavailable  # noqa: F401 - this module's API too
@@ -66,9 +67,13 @@ def batch_invariant() -> bool:
 
 
 def batch_invariant_note() -> str:
-    """What the engines' start-up line adds under ``QLA_BATCH_INVARIANT=1`` ("" otherwise)."""
-    return ("; batch-invariant (QLA_BATCH_INVARIANT=1): no AutoCP, one decode reduction order at every "
-            "batch size" if batch_invariant() else "")
+    """What the engines' start-up line adds under ``QLA_BATCH_INVARIANT=1`` or, without it,
+    ``QLA_CP_PER_SEQUENCE=1`` (AutoCP planned per sequence, ``qla_serving.plan``); "" otherwise."""
+    if batch_invariant():
+        return "; batch-invariant (QLA_BATCH_INVARIANT=1): no AutoCP, one decode reduction order at every batch size"
+    if plan.env_flag("QLA_CP_PER_SEQUENCE"):
+        return "; AutoCP splits each sequence as it would alone (QLA_CP_PER_SEQUENCE=1): batch-invariant bits"
+    return ""
 
 
 @functools.lru_cache(maxsize=None)

@@ -132,7 +132,9 @@ def plan_prefill(
         sm_count: multiprocessors of the GPU (default: queried from ``device`` once).
         cp_segment_tokens: experiments only — force segments of this many tokens (0 turns
             AutoCP off); the environment variable ``QLA_CP_SEGMENT_TOKENS`` does the same.
-            ``QLA_BATCH_INVARIANT=1`` turns AutoCP off unless one of them is given.
+            ``QLA_BATCH_INVARIANT=1`` turns AutoCP off unless one of them is given;
+            ``QLA_CP_PER_SEQUENCE=1`` (an experiment) plans each sequence as if it were alone
+            (:func:`plan_each_sequence_alone`).
 
     Returns:
         A :class:`PrefillPlan`.
@@ -184,12 +186,14 @@ def plan_prefill(
     cp = None
     if cp_segment_tokens is None and os.environ.get("QLA_CP_SEGMENT_TOKENS"):
         cp_segment_tokens = int(os.environ["QLA_CP_SEGMENT_TOKENS"])
-    if cp_segment_tokens is None and os.environ.get("QLA_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on"):
+    if cp_segment_tokens is None and env_flag("QLA_BATCH_INVARIANT"):
         cp_segment_tokens = 0  # AutoCP's split follows the batch (qla_serving.backend.batch_invariant)
     if num_v_heads is not None and cp_segment_tokens != 0:
         if sm_count is None:
             sm_count = _sm_count(device)
-        if sm_count:
+        if sm_count and cp_segment_tokens is None and env_flag("QLA_CP_PER_SEQUENCE"):
+            cp = plan_each_sequence_alone(lens_list, num_v_heads, sm_count)
+        elif sm_count:
             cp = plan_context_parallel(lens_list, num_v_heads, sm_count, segment_tokens=cp_segment_tokens)
     work_items = _work_items(lens_list, chunks_list, cp, chunk_size)
 
@@ -417,6 +421,37 @@ def plan_context_parallel(
         return None
     longest = max((b - a) for s, L in zip(segs, seq_lens) for a, b in zip(s, s[1:] + (L,)))
     return ContextParallelPlan(segment_tokens or longest, warmup_tokens, segs)
+
+
+def plan_each_sequence_alone(seq_lens: list[int], num_v_heads: int, sm_count: int) -> ContextParallelPlan | None:
+    """AutoCP's split of each sequence as :func:`plan_context_parallel` makes it for that sequence
+    alone, whatever else the batch holds; None when no sequence is split.
+
+    A segment's work depends only on its own bounds and warm-up, so a sequence planned this way
+    gets the same bits alone and in any batch; the price is segments (and their warm-ups) in batches
+    that fill the GPU without them, where the batch planner would not split (``QLA_CP_PER_SEQUENCE=1``,
+    an experiment: docs/autocp.md).
+
+    Args:
+        seq_lens: token count of each sequence.
+        num_v_heads: value heads on this GPU (after TP sharding).
+        sm_count: multiprocessors of the GPU.
+    """
+    alone: dict[int, ContextParallelPlan | None] = {}
+    for L in seq_lens:
+        if L not in alone:
+            alone[L] = plan_context_parallel([L], num_v_heads, sm_count)
+    split = [cp for cp in alone.values() if cp is not None]
+    if not split:
+        return None
+    segs = tuple(alone[L].segments[0] if alone[L] is not None else (0,) for L in seq_lens)
+    longest = max((b - a) for s, L in zip(segs, seq_lens) for a, b in zip(s, s[1:] + (L,)))
+    return ContextParallelPlan(longest, split[0].warmup_tokens, segs)
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to 1 (true, yes, on)."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 GRID_HEADS = (8, 16, 24, 32, 48, 64)

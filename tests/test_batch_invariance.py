@@ -154,3 +154,33 @@ def test_the_kernels_continue_a_prompt_cut_in_two_calls(pool_dtype):
 
     c = prefill_whole_and_cut(pool_dtype, length=3000)
     _check_whole_and_cut(c, 1e-2, 1e-2)  # the prefill tests' tolerance (tests/test_prefill_kernel.py)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_planned_per_sequence_is_the_same_bits_alone_and_beside(pool_dtype, monkeypatch):
+    """``QLA_CP_PER_SEQUENCE=1``: the 4096-token sequence is split alone and between two others
+    alike, so AutoCP stays on and the bits are the same."""
+    from qla_serving.bench.invariance import batch_invariant, prefill_alone_and_beside
+
+    monkeypatch.delenv("QLA_CP_SEGMENT_TOKENS", raising=False)
+    monkeypatch.setenv("QLA_CP_PER_SEQUENCE", "1")
+    with batch_invariant(False):
+        p = prefill_alone_and_beside(pool_dtype)
+    assert p["split"] == [True, True]
+    assert torch.equal(p["out"][0], p["out"][1]), "the output depends on the batch"
+    assert torch.equal(p["state"][0], p["state"][1]), "the final state depends on the batch"
+
+
+def test_the_start_up_note_names_the_mode(monkeypatch):
+    """The engines' start-up line (``backend.batch_invariant_note``): the flag, the per-sequence
+    AutoCP, nothing; the flag wins as it does in the planner."""
+    from qla_serving import backend
+
+    monkeypatch.setenv("QLA_BATCH_INVARIANT", "0")
+    monkeypatch.setenv("QLA_CP_PER_SEQUENCE", "0")
+    assert backend.batch_invariant_note() == ""
+    monkeypatch.setenv("QLA_CP_PER_SEQUENCE", "1")
+    assert "(QLA_CP_PER_SEQUENCE=1)" in backend.batch_invariant_note()
+    monkeypatch.setenv("QLA_BATCH_INVARIANT", "1")
+    assert "(QLA_BATCH_INVARIANT=1): no AutoCP" in backend.batch_invariant_note()

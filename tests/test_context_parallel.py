@@ -1,5 +1,6 @@
 """AutoCP reference and planner (CPU): segment-parallel prefill against the float64 oracle."""
 
+import itertools
 import math
 
 import pytest
@@ -131,3 +132,52 @@ def test_planner_balances_segments():
     starts = cp.segments[0]
     lengths = [b - a for a, b in zip(starts, starts[1:] + (24576,))]
     assert max(lengths) - min(lengths) <= 64 and cp.segments[1] != (0,)
+
+
+def test_each_sequence_alone_splits_as_the_planner_would_for_it_alone():
+    """``plan_each_sequence_alone`` (``QLA_CP_PER_SEQUENCE=1``): on fresh random batches every
+    sequence gets the segments the batch planner gives it alone, so they cannot follow the batch;
+    the batch planner's own do (8 x 4096 at 32 heads fills the GPU unsplit, one 4096 alone splits)."""
+    import random
+
+    from qla_serving.plan import plan_each_sequence_alone
+
+    rng = random.Random()
+    for _ in range(20):
+        lens = [rng.choice([1, rng.randint(2, 2047), rng.randint(2048, 40000)]) for _ in range(rng.randint(1, 12))]
+        heads = rng.choice([8, 16, 32, 64])
+        cp = plan_each_sequence_alone(lens, heads, 132)
+        alone = [plan_context_parallel([L], heads, 132) for L in lens]
+        want = tuple(a.segments[0] if a else (0,) for a in alone)
+        if all(len(s) == 1 for s in want):
+            assert cp is None, lens
+            continue
+        assert cp.segments == want, (lens, heads)
+        assert cp.warmup_tokens == 256 and cp.segment_tokens == max(
+            b - a for s, L in zip(want, lens) for a, b in zip(s, (*s[1:], L)))
+    assert plan_context_parallel([4096] * 8, 32, 132) is None
+    assert plan_each_sequence_alone([4096] * 8, 32, 132).segments == (plan_context_parallel([4096], 32, 132).segments[0],) * 8
+
+
+def test_the_per_sequence_plan_is_read_from_the_environment(monkeypatch):
+    """``plan_prefill`` plans per sequence under ``QLA_CP_PER_SEQUENCE=1``; its work items cover every
+    chunk of every sequence once; ``QLA_BATCH_INVARIANT=1`` (no AutoCP) wins over it."""
+    from qla_serving.plan import _work_items, plan_each_sequence_alone, plan_prefill
+
+    for name in ("QLA_CP_SEGMENT_TOKENS", "QLA_BATCH_INVARIANT", "QLA_CP_PER_SEQUENCE"):
+        monkeypatch.delenv(name, raising=False)
+    lens = [4096] * 8 + [300]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    assert plan_prefill(cu, num_v_heads=32, sm_count=132).context_parallel is None
+    monkeypatch.setenv("QLA_CP_PER_SEQUENCE", "1")
+    cp = plan_prefill(cu, num_v_heads=32, sm_count=132).context_parallel
+    assert cp == plan_each_sequence_alone(lens, 32, 132)
+    chunks = [-(-n // 64) for n in lens]
+    items = _work_items(lens, chunks, cp, 64).tolist()
+    for i, n in enumerate(chunks):  # (sequence, first chunk, first output chunk, end chunk)
+        mine = sorted((out, end) for seq, _, out, end in items if seq == i)
+        assert mine[0][0] == 0 and mine[-1][1] == n and all(a[1] == b[0] for a, b in itertools.pairwise(mine))
+    monkeypatch.setenv("QLA_BATCH_INVARIANT", "1")
+    assert plan_prefill(cu, num_v_heads=32, sm_count=132).context_parallel is None

@@ -30,22 +30,32 @@ K = V = 128
 
 
 @contextlib.contextmanager
+def env_set(name: str, value: str):
+    """The environment variable ``name`` set to ``value`` inside, as it was after."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+@contextlib.contextmanager
 def batch_invariant(on: bool):
     """``QLA_BATCH_INVARIANT`` set to ``on`` for the planner (read per plan) and the decode tile
     choice (read at import, so set on the module here)."""
     from ..kernels import decode
 
-    saved_env, saved_decode = os.environ.get("QLA_BATCH_INVARIANT"), decode._batch_invariant
-    os.environ["QLA_BATCH_INVARIANT"] = "1" if on else "0"
+    saved_decode = decode._batch_invariant
     decode._batch_invariant = on
     try:
-        yield
+        with env_set("QLA_BATCH_INVARIANT", "1" if on else "0"):
+            yield
     finally:
         decode._batch_invariant = saved_decode
-        if saved_env is None:
-            os.environ.pop("QLA_BATCH_INVARIANT", None)
-        else:
-            os.environ["QLA_BATCH_INVARIANT"] = saved_env
 
 
 def decode_alone_and_in_batch(pool_dtype: torch.dtype, *, batch: int = 64, num_qk_heads: int = 16,
@@ -247,6 +257,10 @@ def main() -> int:
                   f"output {_moved(d['out'])}; state {_moved(d['state'])}")
             print(f"prefill {str(pool_dtype)[6:]:8s} {flag}: AutoCP split {p['split'][0]} / {p['split'][1]}; "
                   f"output {_moved(p['out'])}; state {_moved(p['state'])}")
+        with batch_invariant(False), env_set("QLA_CP_PER_SEQUENCE", "1"):
+            p = prefill_alone_and_beside(pool_dtype, seed=2)
+        print(f"prefill {str(pool_dtype)[6:]:8s} QLA_CP_PER_SEQUENCE=1: AutoCP split {p['split'][0]} / {p['split'][1]}; "
+              f"output {_moved(p['out'])}; state {_moved(p['state'])}")
     print("# one prompt whole and cut in two calls (as SGLang's extends), no AutoCP; error against float64")
     for pool_dtype in (torch.float32, torch.bfloat16):
         c = prefill_whole_and_cut(pool_dtype, seed=3)
