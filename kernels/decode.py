@@ -3,13 +3,12 @@
 launch. The kernel itself, and what it computes, is :mod:`~.decode_program`.
 """
 
-import os
 import threading
 
 import torch
 
 from ..constants import MAX_DECODE_TOKENS as MAX_TOKENS
-from . import decode_tiles, library
+from . import library
 from .decode_program import K_DIM, V_DIM, DecodeStaticConfig, _build, compile_kernel  # noqa: F401 - _build: this module's API too
 from .decode_tiles import (  # noqa: F401 - LANES_PER_ROW, _configured_tiles, force_tile: this module's API too
     LANES_PER_ROW,
@@ -61,35 +60,9 @@ def _get_kernel(key: DecodeStaticConfig):
     return kernel
 
 
-def batch_invariant_requested() -> bool:
-    """Whether ``QLA_BATCH_INVARIANT=1`` is set (what it does: ``qla_serving.backend.batch_invariant``)."""
-    return os.environ.get("QLA_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-# read once: _tile_for runs on every decode call
-_batch_invariant = batch_invariant_requested()
-
-
 def _tile_for(num_pairs: int, pool_dtype: torch.dtype) -> DecodeTile:
-    """:func:`~.decode_tiles.tile_for` for a torch pool dtype; with ``QLA_BATCH_INVARIANT=1``,
-    :func:`batch_invariant_tile`."""
-    name = _TL_DTYPES[pool_dtype]
-    return batch_invariant_tile(num_pairs, name) if _batch_invariant else tile_for(num_pairs, name)
-
-
-def batch_invariant_tile(num_pairs: int, pool_dtype: str) -> DecodeTile:
-    """The tile of a call under ``QLA_BATCH_INVARIANT=1``: the configured one where its lanes per
-    row are those of the pool dtype's first band, else the first band's tile.
-
-    A row's two dot products over K sum each lane's columns in order and then the lanes in
-    log2(lanes) butterfly steps (kernels/decode_program.py), so the lane count alone sets the
-    order: with one lane count per pool dtype a sequence gets the same bits at every batch size.
-    Every band's tile is in the shipped library, so this compiles nothing."""
-    if decode_tiles._forced_tile is not None:  # (a tile sweep)
-        return tile_for(num_pairs, pool_dtype)
-    first = _configured_tiles(pool_dtype)[0][1]
-    tile = tile_for(num_pairs, pool_dtype)
-    return tile if tile.lanes_per_row == first.lanes_per_row else first
+    """:func:`~.decode_tiles.tile_for` for a torch pool dtype."""
+    return tile_for(num_pairs, _TL_DTYPES[pool_dtype])
 
 
 def _key(

@@ -17,7 +17,7 @@ import torch
 
 from . import plan
 from .constants import HEAD_DIM
-from .kernels import decode, library
+from .kernels import library
 from .kernels.library import TILELANG_VERSION, KernelUnavailable  # noqa: F401 - this module's API too
 
 logger = logging.getLogger("qla_serving")
@@ -59,18 +59,17 @@ def fresh_rows_on_decode() -> bool:
 def batch_invariant() -> bool:
     """Whether ``QLA_BATCH_INVARIANT=1`` asks that a sequence's outputs and states be the same bits
     whatever else its step holds: the prefill plans no AutoCP (whose segments, and whether it
-    splits at all, follow the batch), and every decode call of a pool dtype reduces over K in one
-    order (the configured bands already share one lane count; the flag holds a table whose bands
-    do not to its first band's). Off by default: it gives up AutoCP's speed on long prompts in
+    splits at all, follow the batch); the decode needs nothing, its configured bands share one lane
+    count per pool dtype (``kernels/configs.py``), so one summation order. Off by default: it gives up AutoCP's speed on long prompts in
     small batches (docs/e2e.md, "Batch invariance")."""
-    return decode.batch_invariant_requested()
+    return plan.env_flag("QLA_BATCH_INVARIANT")
 
 
 def batch_invariant_note() -> str:
     """What the engines' start-up line adds under ``QLA_BATCH_INVARIANT=1`` or, without it,
     ``QLA_CP_PER_SEQUENCE=1`` (AutoCP planned per sequence, ``qla_serving.plan``); "" otherwise."""
     if batch_invariant():
-        return "; batch-invariant (QLA_BATCH_INVARIANT=1): no AutoCP, one decode reduction order at every batch size"
+        return "; batch-invariant (QLA_BATCH_INVARIANT=1): no AutoCP (the decode has one reduction order at every batch size)"
     if plan.env_flag("QLA_CP_PER_SEQUENCE"):
         return "; AutoCP splits each sequence as it would alone (QLA_CP_PER_SEQUENCE=1): batch-invariant bits"
     return ""

@@ -23,24 +23,18 @@ PAIRS = (1, 32, 128, 129, 4096, 10**6)
 
 
 def test_decode_tiles_share_one_lane_count(monkeypatch):
-    """Under the flag every pair count of a pool dtype gets a tile of the first band's lane count,
-    one of the configured tiles (the library holds every one); off, the bands decide."""
-    from qla_serving.kernels import decode, decode_tiles
+    """Flag or not, every pair count of a pool dtype gets one of the configured tiles, all of one
+    lane count (the library holds every one); the flag does not touch the decode's choice."""
+    from qla_serving.kernels import decode
 
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         configured = {t for _, t in decode._configured_tiles(name)}
-        tiles = [decode.batch_invariant_tile(p, name) for p in PAIRS]
+        tiles = [decode._tile_for(p, dtype) for p in PAIRS]
         assert len({t.lanes_per_row for t in tiles}) == 1 and set(tiles) <= configured, (name, tiles)
-        monkeypatch.setattr(decode, "_batch_invariant", True)
+        assert tiles == [decode.tile_for(p, name) for p in PAIRS]
+        monkeypatch.setenv("QLA_BATCH_INVARIANT", "1")
         assert [decode._tile_for(p, dtype) for p in PAIRS] == tiles
-        monkeypatch.setattr(decode, "_batch_invariant", False)
-        assert [decode._tile_for(p, dtype) for p in PAIRS] == [decode.tile_for(p, name) for p in PAIRS]
-    # bands of three lane counts: a band keeps its tile only where its lanes are the first band's
-    monkeypatch.setattr(decode_tiles, "DECODE_CONFIGS",
-                        {"float32": {"bands": [(64, "8x32s"), (4096, "16x64l32s"), (None, "32x128")]}})
-    assert [str(decode.batch_invariant_tile(p, "float32")) for p in (1, 65, 5000)] == ["8x32s", "8x32s", "32x128"]
-    with decode.force_tile("8x32l32s"):  # a tile sweep's forced tile stands
-        assert str(decode.batch_invariant_tile(1, "float32")) == "8x32l32s"
+        monkeypatch.delenv("QLA_BATCH_INVARIANT")
 
 
 def test_each_pool_dtypes_bands_share_one_lane_count():
@@ -53,7 +47,6 @@ def test_each_pool_dtypes_bands_share_one_lane_count():
         assert len(bands) > 1, "one band: the test would prove nothing"
         lanes = {t.lanes_per_row for _, t in bands}
         assert len(lanes) == 1, (name, [str(t) for _, t in bands])
-        assert [decode.batch_invariant_tile(p, name) for p in PAIRS] == [decode.tile_for(p, name) for p in PAIRS]
 
 
 def test_the_flag_is_read_by_a_fresh_process():

@@ -43,19 +43,9 @@ def env_set(name: str, value: str):
             os.environ[name] = saved
 
 
-@contextlib.contextmanager
 def batch_invariant(on: bool):
-    """``QLA_BATCH_INVARIANT`` set to ``on`` for the planner (read per plan) and the decode tile
-    choice (read at import, so set on the module here)."""
-    from ..kernels import decode
-
-    saved_decode = decode._batch_invariant
-    decode._batch_invariant = on
-    try:
-        with env_set("QLA_BATCH_INVARIANT", "1" if on else "0"):
-            yield
-    finally:
-        decode._batch_invariant = saved_decode
+    """``QLA_BATCH_INVARIANT`` set to ``on`` inside (the planner reads it per plan)."""
+    return env_set("QLA_BATCH_INVARIANT", "1" if on else "0")
 
 
 def decode_alone_and_in_batch(pool_dtype: torch.dtype, *, batch: int = 64, num_qk_heads: int = 16,
