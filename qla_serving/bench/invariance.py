@@ -48,6 +48,22 @@ def batch_invariant(on: bool):
     return env_set("QLA_BATCH_INVARIANT", "1" if on else "0")
 
 
+def _generator(seed: int | None, device: str) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
+    return gen
+
+
+def _prefill_inputs(T: int, H: int, HV: int, gen: torch.Generator, device: str) -> tuple:
+    """q, k ``[T, H, K]`` and v ``[T, HV, V]`` bf16, g and beta ``[T, HV]`` float32, from ``gen``."""
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    q, k, v = randn(T, H, K).bfloat16(), randn(T, H, K).bfloat16(), randn(T, HV, V).bfloat16()
+    g = torch.nn.functional.logsigmoid(randn(T, HV) + 4.0)  # log decay <= 0, mostly slow (long memory)
+    return q, k, v, g, torch.sigmoid(randn(T, HV))
+
+
 def decode_alone_and_in_batch(pool_dtype: torch.dtype, *, batch: int = 64, num_qk_heads: int = 16,
                               num_v_heads: int = 32, seed: int | None = None) -> dict:
     """One single-token decode step of one sequence alone and at a random place among ``batch - 1``
@@ -59,8 +75,7 @@ def decode_alone_and_in_batch(pool_dtype: torch.dtype, *, batch: int = 64, num_q
     initial state) and the tiles the two calls used (``tiles``)."""
     from ..kernels import decode
 
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
+    gen = _generator(seed, "cuda")
     N, H, HV = batch, num_qk_heads, num_v_heads
 
     def randn(*shape):
@@ -101,17 +116,10 @@ def prefill_alone_and_beside(pool_dtype: torch.dtype, *, length: int = 4096, bef
     from ..ops.gated_delta_rule.chunk import chunk_gated_delta_rule_pool
     from ..plan import plan_prefill
 
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
+    gen = _generator(seed, "cuda")
     T, H, HV = before + length + after, num_qk_heads, num_v_heads
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-
-    q, k, v = randn(T, H, K).bfloat16(), randn(T, H, K).bfloat16(), randn(T, HV, V).bfloat16()
-    g = torch.nn.functional.logsigmoid(randn(T, HV) + 4.0)  # log decay <= 0, mostly slow (long memory)
-    beta = torch.sigmoid(randn(T, HV))
-    init = (randn(3, HV, V, K) * 0.1).to(pool_dtype)
+    q, k, v, g, beta = _prefill_inputs(T, H, HV, gen, "cuda")
+    init = (torch.randn(3, HV, V, K, device="cuda", generator=gen) * 0.1).to(pool_dtype)
     outs, states, split = [], [], []
     for lens, start, at in (([length], before, 0), ([before, length, after], 0, 1)):
         cu = [0]
@@ -157,22 +165,15 @@ def prefill_whole_and_cut(pool_dtype: torch.dtype, *, length: int = 12000, cut: 
     from ..plan import plan_prefill
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
+    gen = _generator(seed, device)
     T, H, HV = length, num_qk_heads, num_v_heads
     if cut is None:
         cut = int(torch.randint(1, T, (), device=device, generator=gen))
         cut -= cut % 64 == 0  # off the chunk grid, as a token budget's end mostly is
     if not 0 < cut < T:
         raise ValueError(f"cut={cut}: the first call's tokens must be in 1..{T - 1} (length={T})")
-
-    def randn(*shape):
-        return torch.randn(*shape, device=device, generator=gen)
-
-    q, k, v = randn(T, H, K).bfloat16(), randn(T, H, K).bfloat16(), randn(T, HV, V).bfloat16()
-    g = torch.nn.functional.logsigmoid(randn(T, HV) + 4.0)  # log decay <= 0, mostly slow (long memory)
-    beta = torch.sigmoid(randn(T, HV))
-    init = (randn(1, HV, V, K) * 0.1).to(pool_dtype)
+    q, k, v, g, beta = _prefill_inputs(T, H, HV, gen, device)
+    init = (torch.randn(1, HV, V, K, device=device, generator=gen) * 0.1).to(pool_dtype)
     index = torch.zeros(1, device=device, dtype=torch.int32)
     result: dict = {"cut": cut}
 
