@@ -1050,6 +1050,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 LENGTH_GROUPS = ((1, 1), (2, 2047), (2048, 8191), (8192, None))
 
 
+def in_length_group(d: dict, lo: int, hi: int | None) -> bool:
+    """Whether a per-request record's prompt length lies in the ``LENGTH_GROUPS`` entry (lo, hi)."""
+    return "prompt_tokens" in d and lo <= d["prompt_tokens"] and (hi is None or d["prompt_tokens"] <= hi)
+
+
 def length_span(lo: int, hi: int | None) -> str:
     """A ``LENGTH_GROUPS`` entry as the tables name it: ``1``, ``2-2047``, ``8192+``."""
     return f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi else f"{lo}+")
@@ -1069,8 +1074,7 @@ def by_prompt_length(rows: list[dict]) -> list[str]:
               "drift median / max |"), "|---|---|---|---|---|---|"]
     for r in loads:
         for lo, hi in LENGTH_GROUPS:
-            group = [d for d in r["per_request"].values()
-                     if "prompt_tokens" in d and lo <= d["prompt_tokens"] and (hi is None or d["prompt_tokens"] <= hi)]
+            group = [d for d in r["per_request"].values() if in_length_group(d, lo, hi)]
             if not group:
                 continue
             drifts = sorted(d["drift"] for d in group)
@@ -1104,8 +1108,7 @@ def paired_with_default(rows: list[dict], draws: int = 2000, seed: int = 0) -> l
         forced = key(r)[1]
         groups = [(None, None)] + (list(LENGTH_GROUPS) if r["scenario"] == "load" else [])
         for lo, hi in groups:
-            ids = [k for k, d in r["per_request"].items() if k in theirs and (lo is None or (
-                lo <= d.get("prompt_tokens", -1) and (hi is None or d["prompt_tokens"] <= hi)))]
+            ids = [k for k, d in r["per_request"].items() if k in theirs and (lo is None or in_length_group(d, lo, hi))]
             if forced:
                 ids = [k for k in ids if r["per_request"][k].get("drift") is not None and theirs[k].get("drift") is not None]
                 diffs = [theirs[k]["drift"] - r["per_request"][k]["drift"] for k in ids]
