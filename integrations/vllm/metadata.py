@@ -12,6 +12,7 @@ which is how vLLM picks this builder: a registration seam, no patch.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -257,7 +258,7 @@ class QlaGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
         tokens and slots, for the layer to rerun on the decode kernel. ``rows`` / ``slots`` are
         every fresh row's, ascending; without drafts rows are tokens' order and decode rows come
         first, so the prefill rows' slots are the tail of ``slots``."""
-        first = next((i for i, r in enumerate(rows) if r >= md.num_decodes), len(rows))
+        first = bisect.bisect_left(rows, md.num_decodes)
         if first == len(rows):
             return
         starts = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
