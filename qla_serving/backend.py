@@ -65,13 +65,15 @@ def batch_invariant() -> bool:
     return plan.env_flag("QLA_BATCH_INVARIANT")
 
 
-def batch_invariant_note() -> str:
-    """What the engines' start-up line adds under ``QLA_BATCH_INVARIANT=1`` or, without it,
-    ``QLA_CP_PER_SEQUENCE=1`` (AutoCP planned per sequence, ``qla_serving.plan``); "" otherwise."""
+def batch_invariant_note(engine_switch: str | None = None) -> str:
+    """What the engines' start-up line adds under ``QLA_BATCH_INVARIANT=1``, else when the engine's
+    own switch ``engine_switch`` (its name; the adapter passes it when the switch is on) or
+    ``QLA_CP_PER_SEQUENCE=1`` plans AutoCP per sequence (``qla_serving.plan``); "" otherwise."""
     if batch_invariant():
         return "; batch-invariant (QLA_BATCH_INVARIANT=1): no AutoCP (the decode has one reduction order at every batch size)"
-    if plan.env_flag("QLA_CP_PER_SEQUENCE"):
-        return "; AutoCP splits each sequence as it would alone (QLA_CP_PER_SEQUENCE=1): batch-invariant bits"
+    asked = engine_switch or ("QLA_CP_PER_SEQUENCE=1" if plan.env_flag("QLA_CP_PER_SEQUENCE") else None)
+    if asked:
+        return f"; AutoCP splits each sequence as it would alone ({asked}): batch-invariant bits"
     return ""
 
 

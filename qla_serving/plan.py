@@ -116,6 +116,7 @@ def plan_prefill(
     num_v_heads: int | None = None,
     sm_count: int | None = None,
     cp_segment_tokens: int | None = None,
+    cp_per_sequence: bool | None = None,
 ) -> PrefillPlan:
     """Build the plan of one prefill batch on the host.
 
@@ -135,6 +136,10 @@ def plan_prefill(
             ``QLA_BATCH_INVARIANT=1`` turns AutoCP off unless one of them is given;
             ``QLA_CP_PER_SEQUENCE=1`` (an experiment) plans each sequence as if it were alone
             (:func:`plan_each_sequence_alone`).
+        cp_per_sequence: plan AutoCP per sequence (:func:`plan_each_sequence_alone`: the same
+            bits for a sequence in any batch) when True, with the batch when False; None reads
+            ``QLA_CP_PER_SEQUENCE``. An engine's deterministic mode passes True. AutoCP off
+            (``cp_segment_tokens=0`` or ``QLA_BATCH_INVARIANT=1``) wins over it.
 
     Returns:
         A :class:`PrefillPlan`.
@@ -191,7 +196,9 @@ def plan_prefill(
     if num_v_heads is not None and cp_segment_tokens != 0:
         if sm_count is None:
             sm_count = _sm_count(device)
-        if sm_count and cp_segment_tokens is None and env_flag("QLA_CP_PER_SEQUENCE"):
+        if cp_per_sequence is None:
+            cp_per_sequence = env_flag("QLA_CP_PER_SEQUENCE")
+        if sm_count and cp_segment_tokens is None and cp_per_sequence:
             cp = plan_each_sequence_alone(lens_list, num_v_heads, sm_count)
         elif sm_count:
             cp = plan_context_parallel(lens_list, num_v_heads, sm_count, segment_tokens=cp_segment_tokens)

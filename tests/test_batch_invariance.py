@@ -173,7 +173,10 @@ def test_the_start_up_note_names_the_mode(monkeypatch):
     monkeypatch.setenv("QLA_BATCH_INVARIANT", "0")
     monkeypatch.setenv("QLA_CP_PER_SEQUENCE", "0")
     assert backend.batch_invariant_note() == ""
+    note = backend.batch_invariant_note("--enable-deterministic-inference")  # the engine's switch, on
+    assert "AutoCP splits each sequence as it would alone (--enable-deterministic-inference)" in note
     monkeypatch.setenv("QLA_CP_PER_SEQUENCE", "1")
     assert "(QLA_CP_PER_SEQUENCE=1)" in backend.batch_invariant_note()
     monkeypatch.setenv("QLA_BATCH_INVARIANT", "1")
     assert "(QLA_BATCH_INVARIANT=1): no AutoCP" in backend.batch_invariant_note()
+    assert "(QLA_BATCH_INVARIANT=1): no AutoCP" in backend.batch_invariant_note("--enable-deterministic-inference")

@@ -179,5 +179,10 @@ def test_the_per_sequence_plan_is_read_from_the_environment(monkeypatch):
     for i, n in enumerate(chunks):  # (sequence, first chunk, first output chunk, end chunk)
         mine = sorted((out, end) for seq, _, out, end in items if seq == i)
         assert mine[0][0] == 0 and mine[-1][1] == n and all(a[1] == b[0] for a, b in itertools.pairwise(mine))
+    # the caller's choice (an engine's deterministic mode) over the environment, both ways
+    assert plan_prefill(cu, num_v_heads=32, sm_count=132, cp_per_sequence=False).context_parallel is None
+    monkeypatch.setenv("QLA_CP_PER_SEQUENCE", "0")
+    assert plan_prefill(cu, num_v_heads=32, sm_count=132, cp_per_sequence=True).context_parallel == cp
     monkeypatch.setenv("QLA_BATCH_INVARIANT", "1")
     assert plan_prefill(cu, num_v_heads=32, sm_count=132).context_parallel is None
+    assert plan_prefill(cu, num_v_heads=32, sm_count=132, cp_per_sequence=True).context_parallel is None

@@ -18,6 +18,10 @@ and the kernel hands SGLang the one it asks for — through the ``track_state`` 
 
 What the kernels cannot take (a tree-shaped or ragged verify, more than 8 draft tokens) goes to
 SGLang's triton kernel, the ``fallback`` the dispatcher built, with one log line per reason.
+
+Deterministic inference (``--enable-deterministic-inference``, or an RL on-policy target, which
+turns it on): the prefill plans AutoCP per sequence, so a sequence gets the same bits in any batch,
+as SGLang's triton GDN kernels give it (the decode's bits never depend on the batch).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttn
 from qla_serving import backend as qla_backend
 from qla_serving.constants import CHUNK_SIZE, MAX_DECODE_TOKENS
 from qla_serving.ops.gated_delta_rule import chunk_gated_delta_rule_pool, gated_delta_rule_decode
-from qla_serving.plan import PrefillPlan, plan_prefill
+from qla_serving.plan import PrefillPlan, env_flag, plan_prefill
 
 logger = logging.getLogger("qla_serving")
 
@@ -66,6 +70,38 @@ class BatchPlan:
 
 #: Batches remembered per kernel object: two, so interleaved two-batch-overlap halves both hit.
 _RECENT_BATCHES = 2
+
+
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+
+
+def engine_deterministic() -> bool:
+    """Whether this SGLang process runs deterministic inference: the effective config where SGLang
+    publishes one (0.5.20 and later), else the server arguments it publishes globally, else the
+    environment variable SGLang sets for its processes (``SGLANG_ENABLE_DETERMINISTIC_INFERENCE``)."""
+    for read in (_deterministic_in_published_config, _deterministic_in_global_server_args):
+        value = read()
+        if value is not None:
+            return value
+    return env_flag("SGLANG_ENABLE_DETERMINISTIC_INFERENCE")
+
+
+def _deterministic_in_published_config() -> bool | None:
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(get_exec().deterministic.enable_deterministic_inference)
+    except (ImportError, AttributeError, ValueError, RuntimeError):  # older SGLang, or not published here
+        return None
+
+
+def _deterministic_in_global_server_args() -> bool | None:
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return bool(get_global_server_args().enable_deterministic_inference)
+    except (ImportError, AttributeError, ValueError, RuntimeError):  # retired (0.5.23), or not set
+        return None
 
 
 def _as_list(x) -> list[int] | None:
@@ -110,6 +146,8 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         self.phases = frozenset(phases)
         self.track_chunk_size = CHUNK_SIZE
         self.num_v_heads: int | None = None  # from the state pool at the first batch (for AutoCP)
+        # AutoCP per sequence under SGLang's deterministic inference; None: QLA_CP_PER_SEQUENCE decides
+        self.cp_per_sequence: bool | None = True if engine_deterministic() else None
         # The latest extend batches, newest first, found by query_start_loc identity.
         self._batches: list[BatchPlan] = []
 
@@ -154,7 +192,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             if self.num_v_heads is None:
                 self.num_v_heads = _value_heads(attn_backend)
             plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=every,
-                                num_v_heads=self.num_v_heads)
+                                num_v_heads=self.num_v_heads, cp_per_sequence=self.cp_per_sequence)
         self._remember(BatchPlan(query_start_loc=query_start_loc, plan=plan, track=track))
 
     def _remember(self, batch: BatchPlan) -> BatchPlan:
@@ -195,7 +233,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             )
             cu = query_start_loc.cpu()
         batch.plan = plan_prefill(cu, device=query_start_loc.device, checkpoint_every=checkpoint_every,
-                                  num_v_heads=self.num_v_heads)
+                                  num_v_heads=self.num_v_heads, cp_per_sequence=self.cp_per_sequence)
         return batch.plan
 
     # ------------------------------------------------------------------ extend

@@ -172,7 +172,7 @@ def _dispatcher_init_around(original, self, *args, **kwargs):
 
     from qla_serving import backend as qla_backend
 
-    from .kernel import FlashQLAGDNKernel
+    from .kernel import DETERMINISTIC_FLAG, FlashQLAGDNKernel
 
     kernel = FlashQLAGDNKernel(fallback=self.tree_verify_kernel, phases=phases)
     if "decode" in phases:
@@ -189,7 +189,7 @@ def _dispatcher_init_around(original, self, *args, **kwargs):
         type(self.decode_kernel).__name__,
         type(self.extend_kernel).__name__,
         type(self.verify_kernel).__name__,
-        qla_backend.batch_invariant_note(),
+        qla_backend.batch_invariant_note(DETERMINISTIC_FLAG if kernel.cp_per_sequence else None),
     )
 
 

@@ -454,3 +454,61 @@ def test_chunk_start_rows_point_at_each_chunks_entering_state():
         expected += [i] + [ckpt_row + c for c in range(chunks - 1)]
         ckpt_row += L // 64
     assert FlashQLAGDNKernel._chunk_start_rows(plan).tolist() == expected
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_inference_plans_autocp_per_sequence(publish_args, build_dispatcher, monkeypatch,
+                                                           deterministic):
+    """``--enable-deterministic-inference`` read from SGLang's own published config: every plan
+    of our kernel object (the batch's, and its rebuild with the prefix cache's checkpoints) asks
+    the planner for AutoCP per sequence, and the start-up line says so; without the flag the
+    environment (``QLA_CP_PER_SEQUENCE``) decides."""
+    import logging
+
+    import qla_serving.integrations.sglang.kernel as kmod
+
+    monkeypatch.delenv("QLA_BATCH_INVARIANT", raising=False)
+    monkeypatch.delenv("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", raising=False)
+    flags = ("--linear-attn-backend", "flashqla") + (
+        ("--enable-deterministic-inference", "--attention-backend", "triton") if deterministic else ())
+    args = publish_args(*flags)  # (SGLang's parser configures logging anew: the handler goes on after it)
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    ours = logging.getLogger("qla_serving")
+    ours.addHandler(handler)
+    level = ours.level
+    ours.setLevel(logging.INFO)
+    try:
+        _, d = build_dispatcher(args)
+    finally:
+        ours.removeHandler(handler)
+        ours.setLevel(level)
+    assert kmod.engine_deterministic() is deterministic
+    kernel = d.extend_kernel
+    assert isinstance(kernel, kmod.FlashQLAGDNKernel)
+    assert kernel.cp_per_sequence is (True if deterministic else None)
+    said = any("(--enable-deterministic-inference): batch-invariant bits" in line for line in lines)
+    assert said is deterministic and any("uses FlashQLAGDNKernel" in line for line in lines)
+    asked = []
+    real = kmod.plan_prefill
+    monkeypatch.setattr(kmod, "plan_prefill", lambda *a, **kw: asked.append(kw["cp_per_sequence"]) or real(*a, **kw))
+    fb, md, backend = extend_batch([65, 3], [1, 2])
+    kernel.begin_batch(backend, fb)
+    kernel._plan_for(md.query_start_loc, 64)  # a rebuild with checkpoints keeps the choice
+    assert asked == [kernel.cp_per_sequence] * 2
+
+
+def test_deterministic_inference_read_from_the_environment_without_a_published_config(monkeypatch):
+    """Where SGLang publishes no config (older versions, tools), the variable SGLang sets for its
+    processes decides."""
+    import qla_serving.integrations.sglang.kernel as kmod
+    from sglang.srt import runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_exec", lambda: (_ for _ in ()).throw(RuntimeError("not published")))
+    monkeypatch.setenv("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "1")
+    assert kmod.engine_deterministic() is True
+    assert make_kernel().cp_per_sequence is True
+    monkeypatch.setenv("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "0")
+    assert kmod.engine_deterministic() is False
+    assert make_kernel().cp_per_sequence is None
