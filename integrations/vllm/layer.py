@@ -104,6 +104,26 @@ def _layer_metadata(prefix: str):
     return raw.get(prefix)
 
 
+def refuse_batch_invariant_mode() -> None:
+    """Raise under vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``), as vLLM does for its own
+    GDN backends (none declares ``supports_batch_invariance``; vLLM's mamba backend selector raises).
+    Our layer names its backend class itself and so never passes that selector: the refusal is kept
+    here. Our kernels give a sequence the same bits in any one call (``QLA_BATCH_INVARIANT=1`` or
+    ``QLA_CP_PER_SEQUENCE=1`` for the prefill), but a prompt that chunked prefill cuts where the step's
+    token budget ends continues from the state pool there and rounds otherwise (docs/e2e.md,
+    "Batch invariance")."""
+    from vllm import envs
+
+    if envs.VLLM_BATCH_INVARIANT:
+        raise RuntimeError(
+            "qla-serving: --linear-attn-backend flashqla does not support VLLM_BATCH_INVARIANT=1, like "
+            "vLLM's own GDN backends: a prompt cut by chunked prefill at a place that follows the batch "
+            "continues from the state pool and rounds differently. Unset VLLM_BATCH_INVARIANT; "
+            "QLA_BATCH_INVARIANT=1 or QLA_CP_PER_SEQUENCE=1 make the GDN kernels give a sequence the same "
+            "bits in any batch of one step"
+        )
+
+
 class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     """vLLM's Qwen3-Next / Qwen3.5 GDN layer with its recurrence on qla-serving's ops.
 
@@ -115,6 +135,8 @@ class QlaGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def __init__(self, config, vllm_config, prefix: str = "", *args, **kwargs) -> None:
         requested = flashqla_requested(vllm_config)
+        if requested:
+            refuse_batch_invariant_mode()
         active = requested and support.decide(self._qla_unsupported_reason(config, vllm_config))
         token = _building_active_layer.set(active)
         try:

@@ -442,3 +442,32 @@ def test_the_start_up_line_says_when_batch_invariant(flashqla_config, distribute
     msgs = [r.getMessage() for r in caplog.records if "GDN layers run on flashqla" in r.getMessage()]
     assert len(msgs) == 1
     assert ("batch-invariant (QLA_BATCH_INVARIANT=1)" in msgs[0]) == (invariant == "1")
+
+
+def test_batch_invariant_mode_is_refused_as_vllm_refuses_its_own_gdn(registered, qwen35_model_dir, flashqla_config,
+                                                                     distributed, monkeypatch):
+    """``VLLM_BATCH_INVARIANT=1``: vLLM's own GDN backend is refused by its mamba backend selector;
+    our layer, which names its backend class itself, refuses the same way (at construction, naming
+    the variable) instead of passing the selector by. Without the mode both build as before."""
+    from vllm import envs
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
+
+    from qla_serving.integrations.vllm.metadata import QlaGDNAttentionBackend
+
+    monkeypatch.setenv("QLA_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
+    selector._cached_get_mamba_attn_backend.cache_clear()
+    try:
+        vllms = build_gdn_layer(engine_config(qwen35_model_dir))
+        with pytest.raises(RuntimeError, match="batch_invariant mode is not supported"):
+            vllms.get_attn_backend()
+        with pytest.raises(RuntimeError, match="flashqla does not support VLLM_BATCH_INVARIANT=1"):
+            build_gdn_layer(flashqla_config)
+        assert not QlaGDNAttentionBackend.supports_batch_invariance()
+        monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False, raising=False)
+        selector._cached_get_mamba_attn_backend.cache_clear()
+        assert build_gdn_layer(flashqla_config).get_attn_backend() is QlaGDNAttentionBackend
+        assert build_gdn_layer(engine_config(qwen35_model_dir)).get_attn_backend() is GDNAttentionBackend
+    finally:
+        selector._cached_get_mamba_attn_backend.cache_clear()
