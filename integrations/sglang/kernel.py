@@ -77,8 +77,9 @@ DETERMINISTIC_FLAG = "--enable-deterministic-inference"
 
 def engine_deterministic() -> bool:
     """Whether this SGLang process runs deterministic inference: the effective config where SGLang
-    publishes one (0.5.20 and later), else the server arguments it publishes globally, else the
-    environment variable SGLang sets for its processes (``SGLANG_ENABLE_DETERMINISTIC_INFERENCE``)."""
+    publishes one (``runtime_context.get_exec()``, 0.5.23), else the server arguments it publishes
+    globally (``get_global_server_args()``, retired in 0.5.23), else the environment variable SGLang
+    sets for its processes (``SGLANG_ENABLE_DETERMINISTIC_INFERENCE``)."""
     for read in (_deterministic_in_published_config, _deterministic_in_global_server_args):
         value = read()
         if value is not None:
