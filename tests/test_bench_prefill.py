@@ -8,7 +8,8 @@ import torch
 from qla_serving.bench import prefill
 
 
-@pytest.mark.parametrize("impl", ["qla", "qla-nocp", "qla-packed", "qla-bf16-state", "fla", "flashinfer", "qwen-flashqla"])
+@pytest.mark.parametrize("impl", ["qla", "qla-nocp", "qla-per-sequence", "qla-packed", "qla-bf16-state", "fla", "flashinfer",
+                                  "qwen-flashqla"])
 def test_standard_outputs_gives_our_layouts(impl):
     T, N, HV, D = 40, 3, 4, 8
     o = torch.randn(T, HV, D)
@@ -26,3 +27,31 @@ def test_qwen_flashqla_runner_without_the_library_is_an_import_error(monkeypatch
     monkeypatch.setitem(sys.modules, "flash_qla", None)
     with pytest.raises(ImportError):
         prefill.RUNNERS["qwen-flashqla"]({}, 2, 8)
+
+
+def test_every_implementation_the_command_offers_has_a_runner():
+    assert set(prefill.RUNNERS) == set(prefill.IMPLS + prefill.EXTRA_IMPLS)
+
+
+def test_the_per_sequence_runner_asks_the_planner_for_the_per_sequence_split(monkeypatch):
+    """``qla-per-sequence`` plans with ``cp_per_sequence=True``, ``qla`` leaves it to the environment,
+    ``qla-nocp`` turns AutoCP off (recorded at the planner; the call stops before any device work)."""
+    from qla_serving import plan as plan_mod
+    from qla_serving.kernels import chunk_prefill
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        asked.append((kwargs.get("cp_per_sequence"), kwargs.get("cp_segment_tokens")))
+        raise Stop
+
+    monkeypatch.setattr(plan_mod, "plan_prefill", record)
+    monkeypatch.setattr(chunk_prefill, "warmup", lambda *a, **kw: None)
+    x = {"cu": [0, 4096, 8192], "q": torch.zeros(1, dtype=torch.bfloat16), "beta": torch.zeros(1)}
+    for impl in ("qla", "qla-per-sequence", "qla-nocp"):
+        with pytest.raises(Stop):
+            prefill.RUNNERS[impl](x, 8, 32)
+    assert asked == [(None, None), (True, None), (None, 0)]

@@ -20,6 +20,9 @@ in the kernel, fp32 states, every sequence with an initial state):
   contract: FlashInfer 0.6.14 accepts ``use_qk_l2norm_in_kernel`` but does not use it, and vLLM
   0.26 normalises q and k in its fused post-convolution kernel before calling it), fp32 initial
   and output state.
+* ``qla-per-sequence`` (extra): ``qla`` with AutoCP planned per sequence (each sequence split as it
+  would be alone: the same bits in any batch; ``QLA_CP_PER_SEQUENCE=1``, SGLang's deterministic
+  inference), beside ``qla`` (the batch planner) and ``qla-nocp`` in one run.
 * ``qwen-flashqla`` (extra, ``--impls ... qwen-flashqla``): the Qwen team's FlashQLA library
   (``flash_qla``, 0.1.3 in the results; not this project, whose engine flag is ``flashqla``):
   its ``chunk_gated_delta_rule``
@@ -47,7 +50,7 @@ BATCHES = ["1x32768", "1x8192", "1x2048", "24576+8192", "8x4096", "8x1024"]
 IMPLS = ["qla", "fla", "flashinfer"]
 # ours with AutoCP off, to show what the planner's choice gains; FlashQLA, the Qwen team's TileLang library
 # (the 2026-11-22 results of record call it "flashqla"); ours on the engine's packed buffers; ours on a bf16 state pool
-EXTRA_IMPLS = ["qla-nocp", "qwen-flashqla", "qla-packed", "qla-bf16-state"]
+EXTRA_IMPLS = ["qla-nocp", "qla-per-sequence", "qwen-flashqla", "qla-packed", "qla-bf16-state"]
 K = V = HEAD_DIM
 
 
@@ -125,14 +128,16 @@ def roofline_ms(lens, hqk, hv, tflops, copy_gbs) -> float:
     return 1e3 * max(flops / (tflops * 1e12), min_bytes(lens, hqk, hv) / (copy_gbs * 1e9))
 
 
-def _pool_call_buffers(x, hv, autocp=True, pool_dtype=torch.float32):
+def _pool_call_buffers(x, hv, autocp=True, pool_dtype=torch.float32, per_sequence=None):
     """What our pool-form prefill is called with in a cell: the plan (the planner decides AutoCP
-    from the lengths, the head count and the SM count), a pool of ``pool_dtype`` holding the cell's
-    initial states at slots 1..N, the slots, has-initial-state, the output, and the final states' view."""
+    from the lengths, the head count and the SM count; ``per_sequence`` as ``plan_prefill``'s
+    ``cp_per_sequence``), a pool of ``pool_dtype`` holding the cell's initial states at slots 1..N,
+    the slots, has-initial-state, the output, and the final states' view."""
     from qla_serving.plan import plan_prefill
 
     N = len(x["cu"]) - 1
-    plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=None if autocp else 0)
+    plan = plan_prefill(x["cu"], device="cuda", num_v_heads=hv, cp_segment_tokens=None if autocp else 0,
+                        cp_per_sequence=per_sequence)
     pool = torch.empty(N + 1, hv, V, K, device="cuda", dtype=pool_dtype)
     idx = torch.arange(1, N + 1, device="cuda", dtype=torch.int32)
     has_init = torch.ones(N, dtype=torch.bool, device="cuda")
@@ -142,11 +147,11 @@ def _pool_call_buffers(x, hv, autocp=True, pool_dtype=torch.float32):
     return plan, pool, idx, has_init, out, final_state
 
 
-def runner_qla(x, hqk, hv, autocp=True, pool_dtype=torch.float32):
+def runner_qla(x, hqk, hv, autocp=True, pool_dtype=torch.float32, per_sequence=None):
     from qla_serving.kernels.chunk_prefill import chunk_gated_delta_rule_fwd, warmup
 
     warmup(hqk, hv, dtype=x["q"].dtype, beta_dtype=x["beta"].dtype, pool_dtype=pool_dtype, use_qk_l2norm=True)
-    plan, pool, idx, has_init, out, final_state = _pool_call_buffers(x, hv, autocp, pool_dtype)
+    plan, pool, idx, has_init, out, final_state = _pool_call_buffers(x, hv, autocp, pool_dtype, per_sequence)
 
     def fn():
         chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, plan=plan,
@@ -294,6 +299,7 @@ def check_against_qla(x, hqk, hv, impls) -> list[str]:
 
 RUNNERS = {"qla": runner_qla, "fla": runner_fla, "flashinfer": runner_flashinfer, "qwen-flashqla": runner_qwen_flashqla,
            "qla-nocp": lambda x, hqk, hv: runner_qla(x, hqk, hv, autocp=False), "qla-packed": runner_qla_packed,
+           "qla-per-sequence": lambda x, hqk, hv: runner_qla(x, hqk, hv, per_sequence=True),
            "qla-bf16-state": lambda x, hqk, hv: runner_qla(x, hqk, hv, pool_dtype=torch.bfloat16)}
 
 
