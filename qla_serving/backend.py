@@ -26,7 +26,7 @@ _warned: set[tuple[str, str]] = set()
 
 
 def strict_mode() -> bool:
-    return os.environ.get("QLA_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
+    return plan.env_flag("QLA_STRICT")
 
 
 def packed_prefill() -> bool:
@@ -43,7 +43,7 @@ def bound_launches() -> bool:
     each layer's own tensor addresses, its layout checked equal) instead of calling the ops,
     their checks and the kernel entries again per layer. Off by default: exact on the GPU, but
     no faster served (docs/e2e.md, "The bound launches, served")."""
-    return os.environ.get("QLA_BOUND_LAUNCH", "0").strip().lower() in ("1", "true", "yes", "on")
+    return plan.env_flag("QLA_BOUND_LAUNCH")
 
 
 def fresh_rows_on_decode() -> bool:
@@ -60,8 +60,8 @@ def batch_invariant() -> bool:
     """Whether ``QLA_BATCH_INVARIANT=1`` asks that a sequence's outputs and states be the same bits
     whatever else its step holds: the prefill plans no AutoCP (whose segments, and whether it
     splits at all, follow the batch); the decode needs nothing, its configured bands share one lane
-    count per pool dtype (``kernels/configs.py``), so one summation order. Off by default: it gives up AutoCP's speed on long prompts in
-    small batches (docs/e2e.md, "Batch invariance")."""
+    count per pool dtype (``kernels/configs.py``), so one summation order. Off by default: it gives
+    up AutoCP's speed on long prompts in small batches (docs/e2e.md, "Batch invariance")."""
     return plan.env_flag("QLA_BATCH_INVARIANT")
 
 
