@@ -58,6 +58,8 @@
 # shard i on GPU i mod the GPU count (default: one per GPU the machine has; more than the GPUs share them,
 # which overlaps one GPU's compiles and launches: its suite took 377 s in one process).
 set -uo pipefail
+# every `tar -J` here compresses on all CPUs, so packing a call's oracles and logs stays inside its limit
+export XZ_OPT=${XZ_OPT:--T0}
 here=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/qla-out}
 mkdir -p "$OUT"
