@@ -640,15 +640,17 @@ class Server:
             stop(self.proc)
 
 
-# vLLM's all-reduce + RMSNorm fusion pass at TP > 1 (docs/e2e.md, "Tensor parallelism"): "trtllm"
-# keeps it, on FlashInfer's trtllm backend (backend_env); "off" turns the pass off, for every
-# backend alike (no FlashInfer communication kernels to build at a cold start).
+# The engines' all-reduce + RMSNorm fusion at TP > 1 (docs/e2e.md, "Tensor parallelism"): "trtllm"
+# keeps it (vLLM's pass on FlashInfer's trtllm backend, backend_env; SGLang's own choice); "off" turns
+# it off, for every backend alike (no FlashInfer communication kernels to build at a cold start:
+# SGLang's took 3 minutes of its first TP 4 start).
 ALLREDUCE_FUSION = ("trtllm", "off")
 
 
 def add_allreduce_fusion_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allreduce-fusion", choices=ALLREDUCE_FUSION, default="trtllm",
-                   help="vLLM at TP > 1: its all-reduce + RMSNorm fusion on FlashInfer's trtllm backend, or off")
+                   help="at TP > 1: the engine's all-reduce + RMSNorm fusion (vLLM: on FlashInfer's trtllm backend; "
+                        "SGLang: as it chooses), or off")
 
 
 def add_weights_argument(p: argparse.ArgumentParser) -> None:
@@ -660,8 +662,10 @@ def add_weights_argument(p: argparse.ArgumentParser) -> None:
 
 def allreduce_fusion_args(engine: str, tp: int, mode: str) -> list[str]:
     """Server arguments for ``--allreduce-fusion mode`` (none where the pass does not run)."""
-    if engine != "vllm" or tp == 1 or mode == "trtllm":
+    if tp == 1 or mode == "trtllm":
         return []
+    if engine == "sglang":
+        return ["--enforce-disable-flashinfer-allreduce-fusion"]
     return ["--compilation-config", json.dumps({"pass_config": {"fuse_allreduce_rms": False}})]
 
 
@@ -747,10 +751,47 @@ class Lockstep:
                 time.sleep(0.2)
         return round(time.monotonic() - t0, 1)
 
+    def wait_start(self, deadline: float) -> float | None:
+        """In turns: arrive at the start and wait until the slots before this one (by port, as the
+        split numbers them) have started their servers or left, so that a server that sizes its pools
+        from the GPU memory free at its start (SGLang: ``--mem-fraction-static`` of what is free) sees
+        the others' memory taken. The seconds waited; None when not in turns or at the deadline."""
+        if not self.turns:
+            return None
+        here = self.dir / "start"
+        here.mkdir(parents=True, exist_ok=True)
+        (here / self.me).touch()
+        t0 = time.monotonic()
+        while len({p.name for p in here.iterdir()} | self._gone()) < self.n:
+            if time.monotonic() > deadline:
+                log(f"lockstep: start reached by {len(list(here.iterdir()))} of {self.n} slots by the deadline; starting")
+                return None
+            time.sleep(0.2)
+        order = sorted((p.name for p in here.iterdir()), key=_slot_order)
+        before = set(order[:order.index(self.me)])
+        done = self.dir / "start.done"
+        while not before <= ({p.name for p in done.iterdir()} if done.is_dir() else set()) | self._gone():
+            if time.monotonic() > deadline:
+                log("lockstep: the servers before this slot not up by the deadline; starting")
+                return None
+            time.sleep(0.2)
+        return round(time.monotonic() - t0, 1)
+
+    def started(self) -> None:
+        """This slot's server is up: the next slot's may start (:meth:`wait_start`)."""
+        if self.turns:
+            self._done("start")
+
     def leave(self) -> None:
         """This slot measures nothing more: the others stop waiting for it."""
         if self.n:
             (self.dir / f"gone-{self.me}").touch()
+
+
+def _slot_order(name: str) -> tuple[int, str]:
+    """A lockstep slot's place at the start: its port (``...-portNNNN``, the split's slot order), then its name."""
+    head, _, port = name.rpartition("-port")
+    return (int(port), name) if head and port.isdigit() else (0, name)
 
 
 def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[list[int]],
@@ -773,6 +814,12 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
     lockstep = Lockstep(args.lockstep, work, f"{backend}{sfx}-port{s.port}")
     deadline = budget_end if budget_end != float("inf") else time.monotonic() + 3600
     try:
+        if lockstep.turns and s.engine == "sglang":
+            # SGLang sizes its pools from the memory free when it starts: in turns on shared GPUs the
+            # servers start one after another (their pools pinned by --max-total-tokens and
+            # --max-mamba-cache-size, so that both get the same)
+            log("lockstep: in turns, this SGLang server starts once the slots before it have started theirs")
+            info["start_waited_s"] = lockstep.wait_start(deadline)
         healthy = server.start(min(args.start_timeout, max(0, budget_end - time.monotonic())))
         proc, t0 = server.proc, server.started
         if not healthy:
@@ -781,6 +828,7 @@ def run_backend(s: Setup, backend: str, args, work: pathlib.Path, prompts: list[
             return rows, info
         info["startup_s"] = round(time.monotonic() - t0, 1)
         log(f"healthy {backend} after {info['startup_s']} s")
+        lockstep.started()
         if prompts:
             try:
                 info["tokens"] = greedy_tokens(s, prompts, args.agree_tokens)

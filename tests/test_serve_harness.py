@@ -874,6 +874,44 @@ def test_servers_sharing_gpus_measure_each_point_in_turns(tmp_path):
         serve.Lockstep("run1:2:taking-turns", tmp_path, "a")
 
 
+def test_servers_in_turns_start_one_after_another_in_slot_order(tmp_path):
+    """Lockstep.wait_start in turns: a slot's server starts once every slot before it (by port, the
+    split's order, not by name) has started its server or left; without turns nothing waits."""
+    import threading
+
+    names = ["triton-port8321", "default-port8421", "flashqla-port8521"]
+    ls = {n: serve.Lockstep("run1:3:turns", tmp_path, n) for n in names}
+    events: list[str] = []
+    lock = threading.Lock()
+
+    def slot(name, up_after, fail=False):
+        waited = ls[name].wait_start(time.monotonic() + 30)
+        with lock:
+            events.append(f"start {name}")
+        time.sleep(up_after)
+        if fail:
+            ls[name].leave()  # its server did not come up: the next one starts anyway
+        else:
+            ls[name].started()
+        with lock:
+            events.append(f"up {name}" if not fail else f"gone {name}")
+        return waited
+
+    threads = [threading.Thread(target=slot, args=a) for a in
+               ((names[2], 0.1), (names[1], 0.4, True), (names[0], 0.3))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert events == ["start triton-port8321", "up triton-port8321", "start default-port8421",
+                      "gone default-port8421", "start flashqla-port8521", "up flashqla-port8521"], events
+    assert serve._slot_order("a") == (0, "a") and serve._slot_order("x-port9") == (9, "x-port9")
+    assert serve.Lockstep("run2:2", tmp_path, "a").wait_start(time.monotonic() + 1) is None  # not in turns
+    assert serve.Lockstep("", tmp_path, "a").wait_start(0) is None  # off
+    # a slot that never arrives: the wait ends at the deadline, and the server starts
+    assert serve.Lockstep("run3:2:turns", tmp_path, "b-port2").wait_start(time.monotonic() + 0.5) is None
+
+
 def test_a_slot_that_starts_late_is_waited_for_before_any_point(tmp_path, monkeypatch):
     """Two run_backend calls in lockstep, one server healthy a second after the other: neither
     measures a point (nor its warm-up) before both are up, and they measure each point together."""
@@ -920,6 +958,52 @@ def test_a_slot_that_starts_late_is_waited_for_before_any_point(tmp_path, monkey
         assert ours >= late and abs(ours - theirs) < 0.5, (point, ours - late, theirs - late)
     rows = results["flashqla"][0]
     assert rows[0]["lockstep_wait_s"] is not None and all(not r.get("error") for r in rows)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_sglang_servers_in_turns_start_one_after_another(tmp_path, monkeypatch, engine):
+    """run_backend in turns: SGLang's servers start one at a time, the second slot's once the first
+    is healthy (SGLang sizes its pools from the memory free at its start); vLLM's, whose pools are
+    given in bytes, start together."""
+    import threading
+
+    _fake_engine(monkeypatch, [])
+    spans: dict[int, tuple[float, float]] = {}
+    BaseServer = serve.Server
+
+    class SlowServer(BaseServer):
+        def __init__(self, cmd, env, log_path, port):
+            super().__init__(cmd, env, log_path, port)
+            self.port = port
+
+        def start(self, timeout):
+            t0 = time.monotonic()
+            time.sleep(0.5)
+            spans[self.port] = (t0, time.monotonic())
+            return True
+
+    monkeypatch.setattr(serve, "Server", SlowServer)
+    infos = {}
+
+    def slot(port):
+        args = serve.parse_args(["--engine", engine, "--agree-prompts", "0", "--port", str(port),
+                                 "--lockstep", f"{engine}:2:turns"])
+        args.workloads = []  # the start only
+        s = serve.Setup(engine, str(tmp_path / "model"), 4, 4096, port=port)
+        infos[port] = serve.run_backend(s, "flashqla" if port == 8321 else "triton", args, tmp_path, [],
+                                        time.monotonic() + 60)[1]
+
+    threads = [threading.Thread(target=slot, args=(port,)) for port in (8421, 8321)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    (first_begin, first_up), (second_begin, _) = spans[8321], spans[8421]
+    if engine == "sglang":
+        assert second_begin >= first_up - 0.01, spans  # the slot of the higher port waited for the first
+        assert infos[8421]["start_waited_s"] >= 0.4 and infos[8321]["start_waited_s"] < 0.4
+    else:
+        assert abs(second_begin - first_begin) < 0.3 and "start_waited_s" not in infos[8421], spans
 
 
 def test_ratios_come_from_runs_measured_together():

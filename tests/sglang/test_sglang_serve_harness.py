@@ -80,6 +80,22 @@ def test_tp_command(sglang_plugins, setup):
     ServerArgs.add_cli_args(p)
     args = p.parse_args(serve.server_command(serve.Setup(**{**setup.__dict__, "tp": 4}), "flashqla")[3:])
     assert args.tp_size == 4 and args.disable_custom_all_reduce
+    assert not args.enforce_disable_flashinfer_allreduce_fusion  # SGLang's own choice by default
+
+
+def test_allreduce_fusion_off_reaches_sglangs_parser(sglang_plugins, setup):
+    """--allreduce-fusion off at TP > 1: SGLang's FlashInfer all-reduce fusion is disabled by its own
+    flag, parsed by its own parser; nothing at TP 1 or with trtllm."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    extra = serve.allreduce_fusion_args("sglang", 4, "off")
+    args = p.parse_args(serve.server_command(serve.Setup(**{**setup.__dict__, "tp": 4}), "flashqla", extra)[3:])
+    assert args.enforce_disable_flashinfer_allreduce_fusion is True
+    assert serve.allreduce_fusion_args("sglang", 1, "off") == serve.allreduce_fusion_args("sglang", 4, "trtllm") == []
 
 
 def test_client_command_parses_with_sglangs_bench_serving(setup, tmp_path, monkeypatch):
