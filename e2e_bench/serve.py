@@ -728,27 +728,18 @@ class Lockstep:
             return None
         self._done(self.last)  # in turns: this slot's measurement of the previous point is over
         self.last, self.calls = key, self.calls + 1
-        here = self.dir / key
-        here.mkdir(parents=True, exist_ok=True)
-        (here / self.me).touch()
         t0 = time.monotonic()
-        while len({p.name for p in here.iterdir()} | self._gone()) < self.n:
-            if time.monotonic() > deadline:
-                log(f"lockstep: {key} reached by {len(list(here.iterdir()))} of {self.n} slots by the deadline; going on")
-                return None
-            time.sleep(0.2)
+        order = self._arrive(key, deadline, "going on")
+        if order is None:
+            return None
         if self.turns:
-            order = sorted(p.name for p in here.iterdir())
+            order.sort()
             shift = (self.calls - 1) % len(order)
             order = order[shift:] + order[:shift]
             self.turn = order.index(self.me)
-            before = set(order[:self.turn])
-            done = self.dir / f"{key}.done"
-            while not before <= ({p.name for p in done.iterdir()} if done.is_dir() else set()) | self._gone():
-                if time.monotonic() > deadline:
-                    log(f"lockstep: {key}: the turns before this slot not over by the deadline; going on")
-                    return None
-                time.sleep(0.2)
+            if not self._after(order[:self.turn], key, deadline,
+                               f"lockstep: {key}: the turns before this slot not over by the deadline; going on"):
+                return None
         return round(time.monotonic() - t0, 1)
 
     def wait_start(self, deadline: float) -> float | None:
@@ -758,24 +749,39 @@ class Lockstep:
         the others' memory taken. The seconds waited; None when not in turns or at the deadline."""
         if not self.turns:
             return None
-        here = self.dir / "start"
+        t0 = time.monotonic()
+        order = self._arrive("start", deadline, "starting")
+        if order is None:
+            return None
+        order.sort(key=_slot_order)
+        if not self._after(order[:order.index(self.me)], "start", deadline,
+                           "lockstep: the servers before this slot not up by the deadline; starting"):
+            return None
+        return round(time.monotonic() - t0, 1)
+
+    def _arrive(self, key: str, deadline: float, then: str) -> list[str] | None:
+        """Mark this slot at ``key`` and wait until every slot is there or gone: the names there, or
+        None at the deadline (logged, ending with ``then``)."""
+        here = self.dir / key
         here.mkdir(parents=True, exist_ok=True)
         (here / self.me).touch()
-        t0 = time.monotonic()
         while len({p.name for p in here.iterdir()} | self._gone()) < self.n:
             if time.monotonic() > deadline:
-                log(f"lockstep: start reached by {len(list(here.iterdir()))} of {self.n} slots by the deadline; starting")
+                log(f"lockstep: {key} reached by {len(list(here.iterdir()))} of {self.n} slots by the deadline; {then}")
                 return None
             time.sleep(0.2)
-        order = sorted((p.name for p in here.iterdir()), key=_slot_order)
-        before = set(order[:order.index(self.me)])
-        done = self.dir / "start.done"
-        while not before <= ({p.name for p in done.iterdir()} if done.is_dir() else set()) | self._gone():
+        return [p.name for p in here.iterdir()]
+
+    def _after(self, before: list[str], key: str, deadline: float, late: str) -> bool:
+        """Wait until every slot in ``before`` is done with ``key`` or gone; False (and ``late``
+        logged) at the deadline."""
+        done = self.dir / f"{key}.done"
+        while not set(before) <= ({p.name for p in done.iterdir()} if done.is_dir() else set()) | self._gone():
             if time.monotonic() > deadline:
-                log("lockstep: the servers before this slot not up by the deadline; starting")
-                return None
+                log(late)
+                return False
             time.sleep(0.2)
-        return round(time.monotonic() - t0, 1)
+        return True
 
     def started(self) -> None:
         """This slot's server is up: the next slot's may start (:meth:`wait_start`)."""
