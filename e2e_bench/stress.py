@@ -536,7 +536,7 @@ def server_commands(s: serve.Setup, backend: str, args, model_type: str) -> dict
     """Every server one backend's run starts, by tag: ``oracle``, ``stress``, ``spec<k>``
     (``serve.server_command``: the serving benchmark's command, backend flag and all, plus these
     servers' own arguments; ``--server-arg`` comes last and wins, on the stress server before its
-    own ``--stress-server-arg``)."""
+    own ``--stress-server-arg``, on the speculative ones before their ``--spec-server-arg``)."""
     e = s.engine
     stress = (cache_args(e, backend) if "prefix" in args.scenarios else []) + metrics_args(e)
     if args.forced:
@@ -546,7 +546,7 @@ def server_commands(s: serve.Setup, backend: str, args, model_type: str) -> dict
     for k in args.spec_tokens:
         cmds[spec_tag(args.spec_method, k)] = serve.server_command(
             s, backend, spec_args(e, model_type, k, args.spec_method) + metrics_args(e)
-                                                + args.server_arg)
+                                                + args.server_arg + args.spec_server_arg)
     return cmds
 
 
@@ -575,6 +575,15 @@ def run_key(args, plan: dict) -> str:
     what = {"oracle": key, "stress_server_args": args.stress_server_arg}
     if sending != LOAD_SENDING:
         what.update(sending)
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def spec_key(args, key: str) -> str:
+    """What the speculative servers' saved rows are valid for: the run's ``key`` and, where given,
+    their own ``--spec-server-arg``."""
+    if not args.spec_server_arg:  # (keys of runs before the option stay valid)
+        return key
+    what = {"run": key, "spec_server_args": args.spec_server_arg}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -668,15 +677,18 @@ def oracle_being_made(work: pathlib.Path, backend: str, key: str) -> bool:
     return False
 
 
-def part_key(part: str, key: str, okey: str | None) -> str:
+def part_key(part: str, key: str, okey: str | None, skey: str | None = None) -> str:
     """The key a saved part is valid for: a failed oracle's is the oracle's (``okey``, where given),
-    every other part's the run's (``key``)."""
-    return okey if part == "oracle" and okey else key
+    a speculative server's its own (``skey``, where given), the stress server's the run's (``key``)."""
+    if part == "oracle":
+        return okey or key
+    return skey if skey and part != "stress" else key
 
 
-def load_parts(work: pathlib.Path, key: str, backends, okey: str | None = None) -> list[dict]:
+def load_parts(work: pathlib.Path, key: str, backends, okey: str | None = None, skey: str | None = None) -> list[dict]:
     """Every part saved in ``work`` for ``key``: a failed oracle (saved for ``okey``, the oracle's
-    key, where it differs), the stress server, then MTP and ngram servers by k."""
+    key, where it differs), the stress server, then MTP and ngram servers by k (saved for ``skey``,
+    their own key, where it differs)."""
     found = []
     names = list(SPEC_NAMES.values())
     for backend in backends:
@@ -686,7 +698,7 @@ def load_parts(work: pathlib.Path, key: str, backends, okey: str | None = None) 
             # (rows-flashqla-fault-stress.json is flashqla-fault's stress, not a part of flashqla)
             if part not in ("oracle", "stress") and not spec:
                 continue
-            if (saved := saved_for(path, part_key(part, key, okey))) is not None:
+            if (saved := saved_for(path, part_key(part, key, okey, skey))) is not None:
                 order = {"oracle": (0, 0), "stress": (1, 0)}.get(part) or (2 + names.index(spec[1]), int(spec[2]))
                 found.append((order, {"backend": backend, "part": part, **saved}))
     return [p for _, p in sorted(found, key=lambda t: (list(backends).index(t[1]["backend"]), t[0]))]
@@ -717,7 +729,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
     """This call's phases for one backend; each server's rows are saved in ``work`` as they come
     for ``key``, its oracle for ``okey`` (default ``key``). Returns the rows of servers that could
     not run (errors, or left out for the budget)."""
-    okey = okey or key
+    okey, skey = okey or key, spec_key(args, key)
     env = serve.backend_env(backend, s.tp, s.engine)
     env[serve.WEIGHTS_ENV] = args.weights
     cmds = server_commands(s, backend, args, model_type)
@@ -738,7 +750,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
         row = {"backend": backend, "scenario": tag, "error": error, "crashed": not srv.alive(),
                "log_tail": serve.tail(srv.log_path, 20)}
         problems.append(row)  # (the call fails; its results file shows the part, not this twice)
-        save_part(work, part_key(tag, key, okey), backend, tag, [row], info(tag, srv))
+        save_part(work, part_key(tag, key, okey, skey), backend, tag, [row], info(tag, srv))
 
     def start(tag) -> serve.Server | None:
         if budget.left() < SERVER_MIN_S:
@@ -746,7 +758,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             row = {"backend": backend, "scenario": tag, "error": "left out (budget)"}
             problems.append(row)
             # saved like a part, so that --collect shows it, unless an earlier call measured it
-            k = part_key(tag, key, okey)
+            k = part_key(tag, key, okey, skey)
             if not has_part(work, k, backend, tag):
                 save_part(work, k, backend, tag, [row], {})
             return None
@@ -950,7 +962,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 if oracle is None:  # compared below, once the oracle is there
                     early.pop("error", None)
                     early["pending"] = "waiting for the oracle's tokens"
-                save_part(work, key, backend, tag, [early], measured[-1][4])
+                save_part(work, skey, backend, tag, [early], measured[-1][4])
             finally:
                 srv.stop()
         if measured:
@@ -959,7 +971,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 row = spec_row(s.engine, fields, reqs, got, orc)
                 serve.log(f"{backend} {fields['scenario']}: "
                           f"{json.dumps({k: v for k, v in row.items() if k != 'per_request'})}")
-                save_part(work, key, backend, tag, [row], tag_info)
+                save_part(work, skey, backend, tag, [row], tag_info)
     return problems
 
 
@@ -1218,6 +1230,10 @@ def parse_args(argv):
                    help="the stress server's own arguments, after --server-arg and outside the oracle's key: a "
                         "KV pool small enough that the load preempts, beside an oracle made with a larger one "
                         "(the oracle answers each request alone, so its pool does not change its answers)")
+    p.add_argument("--spec-server-arg", action="append", default=[],
+                   help="the speculative servers' own arguments, after --server-arg and outside the oracle's key: "
+                        "a KV pool large enough for the draft model's state beside the target's (as the stress "
+                        "server's own pool, it does not change what the oracle answers)")
     p.add_argument("--load-send", choices=LOAD_SENDS, default=LOAD_SENDING["load_send"],
                    help="the stress server's load scenario: its requests at their Poisson arrival times, one "
                         "at a time, all at once, or each with a new 6000-token prompt sent just before it "
@@ -1311,7 +1327,7 @@ def main(argv=None) -> int:
         return 1 if problems else 0
     # every part measured into this work directory for this plan, this call's and earlier calls'
     parts = load_parts(work, key, [b for b in serve.BACKENDS if b in backends] +
-                       [b for b in serve.BACKENDS if b not in backends], okey)
+                       [b for b in serve.BACKENDS if b not in backends], okey, spec_key(args, key))
     if args.collect and not parts:
         serve.log(f"--collect: {work} holds no part measured for this plan")
         return 1

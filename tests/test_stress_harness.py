@@ -894,6 +894,38 @@ def test_the_stress_servers_own_arguments_keep_the_oracle(tmp_path, monkeypatch)
     assert stress.main([*common, "--collect", "--out-dir", str(tmp_path / "other")]) == 1
 
 
+def test_the_speculative_servers_own_arguments_keep_the_oracle(tmp_path, monkeypatch):
+    """--spec-server-arg (a pool large enough for the draft's state): only the speculative servers get
+    it, after --server-arg; the oracle made without it is reused, and their rows are another run's
+    (a collect without it does not mix them in), while the stress rows keep the run's key."""
+    common = _stand_in_runs(monkeypatch, tmp_path / "work", requests=8, max_prompt=300)
+    common += ["--server-arg=--kv-cache-memory-bytes=2147483648"]
+    out = tmp_path / "out"
+    assert stress.main([*common, "--spec-tokens", "--phase", "oracle", "--port", str(_free_port())]) == 0
+    big = ["--spec-server-arg=--kv-cache-memory-bytes=4294967296"]
+    assert stress.main([*common, *big, "--spec-tokens", "2", "--phase", "spec", "--port", str(_free_port()),
+                        "--out-dir", str(out)]) == 0, _failed_rows(out)
+    assert _StandInServer.starts == ["server-flashqla-oracle", "server-flashqla-spec2"]
+    (path,) = out.glob("*.json")
+    result = json.loads(path.read_text())
+    cmds = result["meta"]["backends"]["flashqla"]["server_commands"]
+    assert cmds["spec2"].endswith("--kv-cache-memory-bytes=2147483648 --kv-cache-memory-bytes=4294967296")
+    (row,) = result["rows"]
+    assert row["compared"] == row["completed"] > 0 and not stress.row_failed(row), row
+    args, with_big = stress.parse_args([*common, "--spec-tokens", "2"]), stress.parse_args([*common, *big, "--spec-tokens", "2"])
+    plan = stress.plan_requests(args)
+    key = stress.run_key(args, plan)
+    assert stress.oracle_key(with_big, plan) == stress.oracle_key(args, plan) and stress.run_key(with_big, plan) == key
+    assert stress.spec_key(args, key) == key != stress.spec_key(with_big, key)
+    setup = serve.Setup("vllm", model_dir="m", tp=1, max_len=1024)
+    assert not any("4294967296" in " ".join(c) for tag, c in stress.server_commands(setup, "flashqla", with_big,
+                                                                                     "qwen3_next").items()
+                   if tag in ("oracle", "stress"))
+    assert stress.part_key("spec2", key, None, "s") == "s" and stress.part_key("stress", key, None, "s") == key
+    # the rows of the larger pool are not the plain run's: a collect without the option finds none
+    assert stress.main([*common, "--spec-tokens", "2", "--collect", "--out-dir", str(tmp_path / "other")]) == 1
+
+
 def test_the_load_sent_another_way_keeps_the_oracle_and_scores_what_was_sent(tmp_path, monkeypatch):
     """--load-max-prompt / --load-send (the short prompts alone, one at a time or all at once):
     the oracle of the plan is reused, only the chosen requests reach the stress server, the load
