@@ -642,8 +642,7 @@ class Server:
 
 # The engines' all-reduce + RMSNorm fusion at TP > 1 (docs/e2e.md, "Tensor parallelism"): "trtllm"
 # keeps it (vLLM's pass on FlashInfer's trtllm backend, backend_env; SGLang's own choice); "off" turns
-# it off, for every backend alike (no FlashInfer communication kernels to build at a cold start:
-# SGLang's took 3 minutes of its first TP 4 start).
+# it off, for every backend alike (no FlashInfer communication kernels to build at a cold start).
 ALLREDUCE_FUSION = ("trtllm", "off")
 
 
