@@ -202,7 +202,7 @@ def plan_prefill(
             cp = plan_each_sequence_alone(lens_list, num_v_heads, sm_count)
         elif sm_count:
             cp = plan_context_parallel(lens_list, num_v_heads, sm_count, segment_tokens=cp_segment_tokens)
-    work_items = _work_items(lens_list, chunks_list, cp, chunk_size)
+    work_items = _work_items(chunks_list, cp, chunk_size)
 
     host = [torch.from_numpy(cu_np.astype(np.int32)), chunk_offsets, chunk_indices, chunk_bounds, ckpt_offsets,
             work_items]
@@ -275,20 +275,22 @@ def _unpack(buffer: torch.Tensor, tables: list[torch.Tensor], offsets: list[int]
     return [buffer[o: o + t.numel()].view(t.shape) for t, o in zip(tables, offsets)]
 
 
-def _work_items(lens: list[int], chunks: list[int], cp: ContextParallelPlan | None,
-                chunk_size: int) -> torch.Tensor:
-    """``[W, 4]`` int32 rows ``(sequence, first chunk, first output chunk, end chunk)``."""
+def _work_items(chunks: list[int], cp: ContextParallelPlan | None, chunk_size: int) -> torch.Tensor:
+    """``[W, 4]`` int32 rows ``(sequence, first chunk, first output chunk, end chunk)``: one per
+    sequence, or with ``cp`` one per segment, in sequence order."""
     if cp is None:
-        rows = [(i, 0, 0, n) for i, n in enumerate(chunks)]
-    else:
-        rows = []
-        warm = cp.warmup_tokens // chunk_size
-        for i, (L, n) in enumerate(zip(lens, chunks)):
-            starts = [s // chunk_size for s in cp.segments[i] if s < L] or [0]
-            ends = starts[1:] + [n]
-            for s, e in zip(starts, ends):
-                rows.append((i, max(s - warm, 0), s, e))
-    return torch.from_numpy(np.array(rows, dtype=np.int32).reshape(-1, 4))
+        rows = np.zeros((len(chunks), 4), dtype=np.int32)
+        rows[:, 0], rows[:, 3] = np.arange(len(chunks)), chunks
+        return torch.from_numpy(rows)
+    warm = cp.warmup_tokens // chunk_size
+    items = []
+    for i, (segments, n) in enumerate(zip(cp.segments, chunks)):
+        if len(segments) == 1:  # most sequences of a batch: whole (a decode row, a short prompt)
+            items.append((i, 0, 0, n))
+            continue
+        starts = [s // chunk_size for s in segments]
+        items += [(i, max(s - warm, 0), s, e) for s, e in zip(starts, starts[1:] + [n])]
+    return torch.from_numpy(np.array(items, dtype=np.int32))
 
 
 @functools.lru_cache(maxsize=None)
@@ -310,7 +312,8 @@ class ContextParallelPlan:
         segment_tokens: tokens per segment (a multiple of 64); a sequence's last segment
             may be shorter.
         warmup_tokens: tokens of warm-up before each segment after the first (multiple of 64).
-        segments: per sequence, the segment start offsets within the sequence (first is 0).
+        segments: per sequence, the segment start offsets within the sequence: the first 0, every
+            one before the sequence's end (a sequence of no tokens: ``(0,)``).
     """
 
     segment_tokens: int
@@ -400,7 +403,7 @@ def plan_context_parallel(
         raise ValueError(f"segment_tokens={segment_tokens} and warmup_tokens={warmup_tokens} must be multiples "
                          f"of {CHUNK_SIZE}")
     if segment_tokens is not None:
-        segs = tuple(tuple(range(0, L, segment_tokens)) if L > segment_tokens else (0,) for L in seq_lens)
+        segs, longest = _cut(seq_lens, segment_tokens, segment_tokens + 1)
     else:
         chunks = [-(-L // CHUNK_SIZE) for L in seq_lens]
         if not chunks or max(chunks) * CHUNK_SIZE < min_cp_tokens:
@@ -414,20 +417,33 @@ def plan_context_parallel(
         splittable = [n for n in chunks if n >= min_cp]
         best_seg, best = None, _makespan(splittable, blocks, sm_count, None, warm, min_cp, unsplit)
         no_cp = best
-        for parts in range(2, max(chunks) // min_seg + 1):
-            seg = -(-max(chunks) // parts)
+        most = max(chunks)
+        for parts in range(2, most // min_seg + 1):
+            seg = -(-most // parts)
             t = _makespan(splittable, blocks, sm_count, seg, warm, min_cp, unsplit)
             if t < best:
                 best_seg, best = seg, t
         if best_seg is None or best * min_gain > no_cp:
             return None
         seg_tokens = best_seg * CHUNK_SIZE
-        segs = tuple(tuple(range(0, L, seg_tokens)) if L >= min_cp_tokens and L > seg_tokens else (0,)
-                     for L in seq_lens)
-    if all(len(s) == 1 for s in segs):
+        segs, longest = _cut(seq_lens, seg_tokens, max(min_cp_tokens, seg_tokens + 1))
+    if longest is None:
         return None
-    longest = max((b - a) for s, L in zip(segs, seq_lens) for a, b in zip(s, s[1:] + (L,)))
     return ContextParallelPlan(segment_tokens or longest, warmup_tokens, segs)
+
+
+def _cut(seq_lens: list[int], seg_tokens: int, min_tokens: int) -> tuple[tuple[tuple[int, ...], ...], int | None]:
+    """Segment starts per sequence: every ``seg_tokens`` for a sequence of at least ``min_tokens``
+    (> ``seg_tokens``), else ``(0,)``; and the longest segment (None when no sequence is cut). The
+    starts of one length are built once: a batch repeats lengths."""
+    cuts: dict[int, tuple[int, ...]] = {}
+    whole = (0,)
+    segs = tuple(whole if L < min_tokens else cuts.get(L) or cuts.setdefault(L, tuple(range(0, L, seg_tokens)))
+                 for L in seq_lens)
+    if not cuts:
+        return segs, None
+    # a cut sequence's first segment is the longest of its own; a whole one is all one segment
+    return segs, max(seg_tokens, max((L for L in seq_lens if L < min_tokens), default=0))
 
 
 def plan_each_sequence_alone(seq_lens: list[int], num_v_heads: int, sm_count: int) -> ContextParallelPlan | None:
@@ -445,16 +461,21 @@ def plan_each_sequence_alone(seq_lens: list[int], num_v_heads: int, sm_count: in
         num_v_heads: value heads on this GPU (after TP sharding).
         sm_count: multiprocessors of the GPU.
     """
-    alone: dict[int, ContextParallelPlan | None] = {}
-    for L in seq_lens:
-        if L not in alone:
-            alone[L] = plan_context_parallel([L], num_v_heads, sm_count)
+    alone = {L: _plan_alone(L, num_v_heads, sm_count) for L in set(seq_lens)}
     split = [cp for cp in alone.values() if cp is not None]
     if not split:
         return None
     segs = tuple(alone[L].segments[0] if alone[L] is not None else (0,) for L in seq_lens)
-    longest = max((b - a) for s, L in zip(segs, seq_lens) for a, b in zip(s, s[1:] + (L,)))
+    # a sequence's plan alone names its longest segment; a sequence not cut is one
+    longest = max(cp.segment_tokens if cp is not None else L for L, cp in alone.items())
     return ContextParallelPlan(longest, split[0].warmup_tokens, segs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_alone(seq_len: int, num_v_heads: int, sm_count: int) -> ContextParallelPlan | None:
+    """:func:`plan_context_parallel` of one sequence alone (a pure function of its arguments, so
+    kept: a server meets the same lengths step after step)."""
+    return plan_context_parallel([seq_len], num_v_heads, sm_count)
 
 
 def env_flag(name: str) -> bool:

@@ -175,7 +175,7 @@ def test_the_per_sequence_plan_is_read_from_the_environment(monkeypatch):
     cp = plan_prefill(cu, num_v_heads=32, sm_count=132).context_parallel
     assert cp == plan_each_sequence_alone(lens, 32, 132)
     chunks = [-(-n // 64) for n in lens]
-    items = _work_items(lens, chunks, cp, 64).tolist()
+    items = _work_items(chunks, cp, 64).tolist()
     for i, n in enumerate(chunks):  # (sequence, first chunk, first output chunk, end chunk)
         mine = sorted((out, end) for seq, _, out, end in items if seq == i)
         assert mine[0][0] == 0 and mine[-1][1] == n and all(a[1] == b[0] for a, b in itertools.pairwise(mine))
@@ -186,3 +186,40 @@ def test_the_per_sequence_plan_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("QLA_BATCH_INVARIANT", "1")
     assert plan_prefill(cu, num_v_heads=32, sm_count=132).context_parallel is None
     assert plan_prefill(cu, num_v_heads=32, sm_count=132, cp_per_sequence=True).context_parallel is None
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_plans_of_random_batches_cover_every_chunk_once(per_sequence):
+    """On fresh random batches (empty, one-token, short and long sequences; several head and SM
+    counts; AutoCP by the batch or per sequence): the work items walk each sequence's chunks once,
+    in order, in sequence order, each segment warming up from at most ``warmup`` chunks before it;
+    the segments are where the plan says; and the plan's segment length is its longest segment,
+    counted segment by segment."""
+    import random
+
+    from qla_serving.plan import plan_prefill
+
+    rng = random.Random()
+    planned = 0
+    for _ in range(300):
+        lens = [rng.choice([0, 1, rng.randint(2, 500), int(2 ** rng.uniform(9, 17))])
+                for _ in range(rng.choice([1, 2, 5, 64]))]
+        heads, sms = rng.choice([2, 8, 32, 64]), rng.choice([78, 132])
+        plan = plan_prefill(cu_of(lens), num_v_heads=heads, sm_count=sms, cp_per_sequence=per_sequence)
+        cp, items = plan.context_parallel, plan.work_items_cpu.tolist()
+        chunks = [-(-n // 64) for n in lens]
+        assert [r[0] for r in items] == sorted(r[0] for r in items)
+        for i, n in enumerate(chunks):
+            mine = [r for r in items if r[0] == i]
+            outs = [r[2] for r in mine]
+            assert outs[0] == 0 and [r[3] for r in mine] == outs[1:] + [n], (lens, i, mine)
+            if cp is None:
+                assert mine == [[i, 0, 0, n]]
+                continue
+            assert outs == [s // 64 for s in cp.segments[i]], (lens, i)
+            assert all(r[1] == max(r[2] - cp.warmup_tokens // 64, 0) for r in mine)
+        if cp is not None:
+            planned += 1
+            longest = max(b - a for s, L in zip(cp.segments, lens) for a, b in zip(s, s[1:] + (L,)))
+            assert cp.segment_tokens == longest, (lens, cp.segment_tokens, longest)
+    assert planned > 20  # AutoCP was planned often enough to be tested
