@@ -1259,6 +1259,14 @@ def parse_args(argv):
                    help="stress / spec: the oracle's tokens come from a run beside this one in the same work "
                         "directory (scripts/gpu_session.sh stress-split): start at once, and wait up to S seconds "
                         "(and the budget) for them before comparing")
+    p.add_argument("--oracles-from", metavar="DIR",
+                   help="oracles made on another machine (a folder of oracle-<backend>.json): each copied into the "
+                        "work directory where it holds none of that name (an oracle made for other requests or "
+                        "servers is keyed so and not used)")
+    p.add_argument("--oracle-as", action="append", default=[], metavar="FROM:TO",
+                   help="backend TO's oracle is FROM's, where the work directory holds none for TO: backends that "
+                        "answer a request alone alike (flashqla-cp-per-sequence:flashqla: one sequence alone gets "
+                        "the same plan either way)")
     p.add_argument("--collect", action="store_true",
                    help="start nothing: write the results of every part the work directory holds for this plan")
     p.add_argument("--dry-run", action="store_true")
@@ -1284,6 +1292,10 @@ def parse_args(argv):
     args.oracle_shard = (int(i), int(n))
     if args.oracle_shard != (1, 1) and args.phase != "oracle":
         p.error(f"--oracle-shard {i}/{n}: only with --phase oracle (a stress or spec run reads the merged oracle)")
+    for alias in args.oracle_as:
+        src, _, dst = alias.partition(":")
+        if not src or not dst or ":" in dst or src == dst:
+            p.error(f"--oracle-as {alias}: must be FROM:TO, two backends' names")
     args.argv = list(argv)
     return args
 
@@ -1292,6 +1304,24 @@ def max_model_len(args, plan: dict) -> int:
     """The servers' context: the longest request of any scenario with its tokens, and some slack."""
     need = [len(r["prompt"]) + r["max_tokens"] for reqs in plan.values() for r in reqs]
     return max([max(args.max_prompt, args.longest) + args.max_tokens, *need]) + 64
+
+
+def carry_oracles(work: pathlib.Path, source: str | None, aliases: list[str]) -> None:
+    """``--oracles-from`` and ``--oracle-as``: oracle files into ``work`` where it has none of that
+    name (never over one made here), each written whole (slots side by side start together)."""
+    if source:
+        found = sorted(pathlib.Path(source).glob("oracle-*.json"))
+        if not found:
+            raise SystemExit(f"--oracles-from {source}: no oracle-<backend>.json there")
+        for path in found:
+            if not (work / path.name).exists():
+                serve.write_whole(work / path.name, path.read_text())
+                serve.log(f"oracle: {path.name} carried from {source}")
+    for alias in aliases:
+        src, dst = (work / f"oracle-{b}.json" for b in alias.split(":", 1))
+        if src.exists() and not dst.exists():
+            serve.write_whole(dst, src.read_text())
+            serve.log(f"oracle: {dst.name} is {src.name} (--oracle-as {alias})")
 
 
 def main(argv=None) -> int:
@@ -1303,6 +1333,8 @@ def main(argv=None) -> int:
     max_len = max_model_len(args, plan)
     work = pathlib.Path(args.work_dir or f"/tmp/qla-stress-{args.engine}-{args.model}-tp{args.tp}")
     work.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run:
+        carry_oracles(work, args.oracles_from, args.oracle_as)
     s = serve.Setup(args.engine, tp=args.tp, max_len=max_len, port=args.port,
                     **serve.engine_model(spec, args.engine, args.layers, max_len, work / "model"))
     backends = list(dict.fromkeys(args.backends))

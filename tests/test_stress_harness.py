@@ -926,6 +926,47 @@ def test_the_speculative_servers_own_arguments_keep_the_oracle(tmp_path, monkeyp
     assert stress.main([*common, "--spec-tokens", "2", "--collect", "--out-dir", str(tmp_path / "other")]) == 1
 
 
+def test_oracles_carried_from_another_machine_are_used(tmp_path, monkeypatch):
+    """--oracles-from DIR / --oracle-as FROM:TO: an oracle made elsewhere (saved under another
+    backend's name) is copied into a fresh work directory and used, no oracle server started; one
+    made here is never overwritten; an oracle for another plan is carried but not used; bad
+    arguments are refused."""
+    common = _stand_in_runs(monkeypatch, tmp_path / "made", requests=8, max_prompt=300) + ["--spec-tokens"]
+    assert stress.main([*common, "--phase", "oracle", "--port", str(_free_port())]) == 0
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    made = (tmp_path / "made" / "oracle-flashqla.json").read_text()
+    (carried / "oracle-flashqla-cp-per-sequence.json").write_text(made)
+    fresh = [a if a != str(tmp_path / "made") else str(tmp_path / "fresh") for a in common]
+    _StandInServer.starts = []
+    out = tmp_path / "out"
+    assert stress.main([*fresh, "--phase", "stress", "--oracles-from", str(carried),
+                        "--oracle-as", "flashqla-cp-per-sequence:flashqla", "--port", str(_free_port()),
+                        "--out-dir", str(out)]) == 0, _failed_rows(out)
+    assert _StandInServer.starts == ["server-flashqla-stress"]  # no oracle server: the carried one answered
+    assert (tmp_path / "fresh" / "oracle-flashqla.json").read_text() == made
+    rows = {r["scenario"]: r for r in json.loads(next(out.glob("*.json")).read_text())["rows"]}
+    assert rows["load"]["compared"] == rows["load"]["completed"] > 0
+    # never over an oracle made here
+    (carried / "oracle-flashqla.json").write_text('{"key": "another plan", "results": {}}')
+    stress.carry_oracles(tmp_path / "fresh", str(carried), ["flashqla-cp-per-sequence:flashqla"])
+    assert (tmp_path / "fresh" / "oracle-flashqla.json").read_text() == made
+    # a carried oracle of another plan is keyed so: the stress run makes its own first
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "oracle-flashqla.json").write_text('{"key": "another plan", "results": {}}')
+    _StandInServer.starts = []
+    elsewhere = [a if a != str(tmp_path / "made") else str(tmp_path / "third") for a in common]
+    assert stress.main([*elsewhere, "--phase", "stress", "--oracles-from", str(other), "--port", str(_free_port()),
+                        "--out-dir", str(tmp_path / "out3")]) == 0
+    assert _StandInServer.starts == ["server-flashqla-oracle", "server-flashqla-stress"]
+    with pytest.raises(SystemExit, match="no oracle"):
+        stress.carry_oracles(tmp_path / "fresh", str(tmp_path / "empty-dir-that-is-not-there"), [])
+    for bad in ("flashqla", "a:", ":b", "a:a"):
+        with pytest.raises(SystemExit):
+            stress.parse_args(["--engine", "vllm", "--oracle-as", bad])
+
+
 def test_the_load_sent_another_way_keeps_the_oracle_and_scores_what_was_sent(tmp_path, monkeypatch):
     """--load-max-prompt / --load-send (the short prompts alone, one at a time or all at once):
     the oracle of the plan is reused, only the chosen requests reach the stress server, the load
