@@ -550,8 +550,13 @@ def server_commands(s: serve.Setup, backend: str, args, model_type: str) -> dict
     return cmds
 
 
+def digest(what) -> str:
+    """A short stable key of a JSON-able value (a plan, the arguments a saved part is valid for)."""
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def plan_key(plan: dict) -> str:
-    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(plan)
 
 
 def oracle_key(args, plan: dict) -> str:
@@ -563,7 +568,7 @@ def oracle_key(args, plan: dict) -> str:
         what["weights"] = args.weights
     if args.logprobs:  # an oracle without them cannot be compared in probability
         what["logprobs"] = args.logprobs
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(what)
 
 
 def run_key(args, plan: dict) -> str:
@@ -575,7 +580,7 @@ def run_key(args, plan: dict) -> str:
     what = {"oracle": key, "stress_server_args": args.stress_server_arg}
     if sending != LOAD_SENDING:
         what.update(sending)
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(what)
 
 
 def spec_key(args, key: str) -> str:
@@ -584,7 +589,7 @@ def spec_key(args, key: str) -> str:
     if not args.spec_server_arg:  # (keys of runs before the option stay valid)
         return key
     what = {"run": key, "spec_server_args": args.spec_server_arg}
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(what)
 
 
 # ----------------------------------------------------------------------------- saved parts
