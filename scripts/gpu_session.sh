@@ -55,7 +55,7 @@
 # tests-wait (in a later call on the same machine: waits up to QLA_SUITE_WAIT seconds, default 600,
 # for them, prints their summary, returns their logs as $OUT/gpu-tests.tar.xz and their status).
 # Extra pytest arguments: QLA_PYTEST_ARGS="-k decode"; QLA_TEST_SHARDS=N runs the tests as N processes,
-# shard i on GPU i mod the GPU count (default: one per GPU the machine has; more than the GPUs share them,
+# shard i on GPU i mod the GPU count (QLA_TEST_GPUS="2,3" keeps them to those GPUs; default: one per GPU the machine has; more than the GPUs share them,
 # which overlaps one GPU's compiles and launches: its suite took 377 s in one process).
 set -uo pipefail
 # every `tar -J` here compresses on all CPUs, so packing a call's oracles and logs stays inside its limit
@@ -146,6 +146,8 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
   return $rc
 }
 
+# the tests' and check's GPUs when QLA_TEST_GPUS names them, else the call's
+test_gpus=(); [[ -z ${QLA_TEST_GPUS:-} ]] || test_gpus=(env CUDA_VISIBLE_DEVICES="$QLA_TEST_GPUS")
 status=0
 for step in "$@"; do
   echo "== $step"
@@ -155,25 +157,28 @@ for step in "$@"; do
       # about a quarter of the time (QLA_TEST_SHARDS=1 keeps one process; more shards than GPUs put
       # several processes on a GPU, shard i on GPU i mod the count: a one-GPU machine's suite is
       # mostly compiles and launches, not GPU time)
-      gpus=$(nvidia-smi -L | wc -l); ((gpus > 0)) || gpus=1
+      # QLA_TEST_GPUS="2,3": the shards on those GPUs only (the others busy with a server of another step)
+      IFS=, read -r -a gpu_ids <<<"${QLA_TEST_GPUS:-$(nvidia-smi -L | awk '{print NR - 1}' | paste -sd,)}"
+      gpus=${#gpu_ids[@]}; ((gpus > 0)) || { gpu_ids=(0); gpus=1; }
       shards=${QLA_TEST_SHARDS:-$gpus}
       if ((shards <= 1)); then
-        python3 -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" ${QLA_PYTEST_ARGS:-} \
+        "${test_gpus[@]}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" ${QLA_PYTEST_ARGS:-} \
           2>&1 | tee "$OUT/gpu-tests.log" | tail -40
       else
-        ( python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only ${QLA_PYTEST_ARGS:-} | grep '::' >/tmp/qla-gpu-tests.txt
+        ( rm -f /tmp/qla-gpu-tests-*  # an earlier call's shards, on a machine kept warm
+          python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only ${QLA_PYTEST_ARGS:-} | grep '::' >/tmp/qla-gpu-tests.txt
           echo "$(wc -l </tmp/qla-gpu-tests.txt) tests over $shards processes on $gpus GPUs"
           for ((i = 0; i < shards; i++)); do
             awk -v n="$shards" -v i="$i" '(NR - 1) % n == i' /tmp/qla-gpu-tests.txt >/tmp/qla-gpu-tests-$i.txt
-            CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 -m pytest -q -rs -p no:cacheprovider --junitxml="/tmp/qla-gpu-tests-$i.xml" \
+            CUDA_VISIBLE_DEVICES=${gpu_ids[i % gpus]} python3 -m pytest -q -rs -p no:cacheprovider --junitxml="/tmp/qla-gpu-tests-$i.xml" \
               $(cat /tmp/qla-gpu-tests-$i.txt) >/tmp/qla-gpu-tests-$i.log 2>&1 &
           done
           rc=0; for job in $(jobs -p); do wait "$job" || rc=1; done
-          for ((i = 0; i < shards; i++)); do echo "-- shard $i (GPU $((i % gpus)))"; tail -8 /tmp/qla-gpu-tests-$i.log; done
+          for ((i = 0; i < shards; i++)); do echo "-- shard $i (GPU ${gpu_ids[i % gpus]})"; tail -8 /tmp/qla-gpu-tests-$i.log; done
           cat /tmp/qla-gpu-tests-*.log >"$OUT/gpu-tests-shards.log"
           exit $rc ) 2>&1 | tee "$OUT/gpu-tests.log" | tail -60
       fi ;;
-    check) python3 -m qla_serving.cli check 2>&1 | tee "$OUT/check.log" ;;
+    check) "${test_gpus[@]}" python3 -m qla_serving.cli check 2>&1 | tee "$OUT/check.log" ;;
     batch-invariance) python3 -m qla_serving.bench.invariance 2>&1 | tee "$OUT/batch-invariance.txt" ;;
     bench-prefill) python3 -m qla_serving.cli bench prefill --out-dir "$OUT" ${QLA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-prefill.log" | tail -60 ;;
     bench-decode) python3 -m qla_serving.cli bench decode --out-dir "$OUT" ${QLA_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-decode.log" | tail -60 ;;
