@@ -33,8 +33,8 @@
 # names the slot's proposer, mtp or ngram, over --spec-method),
 # each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
 # stress-runs (stress runs side by side, run i on GPU i, QLA_STRESS_RUNS="ARGS0|ARGS1|..." after the common
-# QLA_STRESS_ARGS, each in its own work directory with a carried oracle, .device/stress-oracle, unpacked into it,
-# QLA_STRESS_ORACLE_COPY="FROM:TO ..." giving backend TO the oracle of FROM; run i's results and progress
+# QLA_STRESS_ARGS, each in its own work directory with a carried oracle, .device/stress-oracle, unpacked into it
+# (`--oracle-as FROM:TO` in a run's arguments gives backend TO the oracle of FROM); run i's results and progress
 # back as s<i>/ in $OUT/stress-runs-results.tar.xz, the servers' logs as $OUT/stress-runs-logs.tar.xz).
 # install (the install proof, e2e_bench/install.py, arguments in QLA_INSTALL_ARGS; servers' logs back
 # as $OUT/install-logs.tar.xz; with QLA_DOCKERFILE=docker/Dockerfile.vllm the wheel goes in by that
@@ -255,17 +255,14 @@ for step in "$@"; do
       # a name) with the common QLA_STRESS_ARGS and its own part of QLA_STRESS_RUNS="ARGS0|ARGS1|..."
       # (another batching of the same requests against the same oracle: --load-send ..., or another
       # of our backends); an oracle carried in .device/stress-oracle/oracle.tar.xz goes into each
-      # first, and QLA_STRESS_ORACLE_COPY="FROM:TO ..." lets backend TO answer against FROM's oracle
-      # (where alone they answer alike). Results in $OUT/s0, $OUT/s1, ..., packed at the end
+      # first (the harness's --oracle-as FROM:TO lets backend TO answer against FROM's oracle, where
+      # alone they answer alike). Results in $OUT/s0, $OUT/s1, ..., packed at the end
       ( stop_leftover_servers
         IFS='|' read -r -a parts <<<"${QLA_STRESS_RUNS:?ARGS0|ARGS1|...}"
         work=${QLA_STRESS_RUNS_DIR:-/tmp/qla-stress-run}
         for i in "${!parts[@]}"; do
           mkdir -p "$work-$i" "$OUT/s$i"
           [[ ! -f $here/.device/stress-oracle/oracle.tar.xz ]] || tar -C "$work-$i" -xJf "$here/.device/stress-oracle/oracle.tar.xz"
-          for pair in ${QLA_STRESS_ORACLE_COPY:-}; do
-            [[ ! -f $work-$i/oracle-${pair%%:*}.json ]] || cp "$work-$i/oracle-${pair%%:*}.json" "$work-$i/oracle-${pair#*:}.json"
-          done
           CUDA_VISIBLE_DEVICES=$i VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-$i python3 -m e2e_bench.stress ${QLA_STRESS_ARGS:-} ${parts[i]} \
             --work-dir "$work-$i" --port $((8321 + 100 * i)) --out-dir "$OUT/s$i" >"$OUT/s$i/stress.log" 2>&1 &
         done
