@@ -31,7 +31,8 @@
 # stress server; beside an oracle slot of its backend, at once, comparing once that oracle is saved), oracle (the oracle alone; oracle:I/N its I-th of N shards, N such slots side by side),
 # or spec (the K speculative servers, comparing once the stress run's oracle is there; spec:METHOD:K,K...
 # names the slot's proposer, mtp or ngram, over --spec-method),
-# each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT).
+# each with the common QLA_STRESS_ARGS; then one results file of them all in $OUT; on SGLang a slot whose GPUs
+# an earlier slot uses starts once that slot's server is up).
 # stress-runs (stress runs side by side, run i on GPU i, QLA_STRESS_RUNS="ARGS0|ARGS1|..." after the common
 # QLA_STRESS_ARGS, each in its own work directory with a carried oracle, .device/stress-oracle, unpacked into it
 # (`--oracle-as FROM:TO` in a run's arguments gives backend TO the oracle of FROM); run i's results and progress
@@ -92,8 +93,8 @@ PY
 }
 side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's matches shown, default all]
   local module=$1 args=$2 slots=$3 prefix=$4 pattern=$5 lines=${6:-+1} rc=0 i=0 slot gpus backend rest phase ks log out local_cpus
-  local -a extra pin cpus
-  local stamp nslots per turns
+  local -a extra pin cpus slot_gpus slot_logs slot_pids
+  local stamp nslots per turns j
   stamp=$(date +%s%N) nslots=$(wc -w <<<"$slots")
   mapfile -t cpus < <(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)), sep='\n')")
   per=$((${#cpus[@]} / nslots))
@@ -132,8 +133,18 @@ side_by_side() {  # MODULE ARGS SLOTS LOG_PREFIX PATTERN [LINES: of each log's m
         pin=(taskset -c "$local_cpus") ;;
       *) echo "QLA_SPLIT_CPUS=$QLA_SPLIT_CPUS: 'even' (an equal share per slot) or 'local' (the CPUs nearest the slot's GPUs)"; return 2 ;;
     esac
+    if [[ $module == e2e_bench.stress && " $args " == *" --engine sglang "* ]]; then
+      # SGLang sizes its pools from the GPU memory free at its start: a slot sharing GPUs with an
+      # earlier one starts once that one's server is up (serve's lockstep does the same for its turns)
+      for ((j = 0; j < i; j++)); do
+        [[ -n $(comm -12 <(tr ',' '\n' <<<"$gpus" | sort) <(tr ',' '\n' <<<"${slot_gpus[j]}" | sort)) ]] || continue
+        echo "slot $i ($slot) starts once slot $j's server is up (GPUs $gpus shared)"
+        while ! grep -q "] healthy " "${slot_logs[j]}" 2>/dev/null && kill -0 "${slot_pids[j]}" 2>/dev/null; do sleep 2; done
+      done
+    fi
     CUDA_VISIBLE_DEVICES=$gpus VLLM_CACHE_ROOT=/tmp/qla-vllm-cache-${gpus//,/-}${turns:+-$i} "${pin[@]}" python3 -m "$module" $args \
       --backends "$backend" "${extra[@]}" --port $((8321 + 100 * i)) --out-dir "$out" >"$log" 2>&1 &
+    slot_gpus[i]=$gpus slot_logs[i]=$log slot_pids[i]=$!
     i=$((i + 1))
   done
   for job in $(jobs -p); do wait "$job" || rc=1; done

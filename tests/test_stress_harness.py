@@ -1044,6 +1044,50 @@ def test_stress_runs_side_by_side(tmp_path):
     assert r.returncode != 0
 
 
+def _stress_split_with_stand_in(tmp_path, engine: str, slots: str) -> dict[int, dict[str, float]]:
+    """gpu_session.sh stress-split over a stand-in harness (a ``python3`` that answers ``-m
+    e2e_bench.stress``): each slot's run notes when it started and when its server was up (0.6 s
+    after its start), then ends 0.6 s later. Start and up times by port."""
+    bin_dir, times = tmp_path / "bin", tmp_path / "times"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python3").write_text(f"""#!/bin/sh
+if [ "$1 $2" = "-m e2e_bench.stress" ]; then
+  case "$*" in *--dry-run*|*--collect*) exit 0 ;; esac
+  port=$(echo "$*" | sed 's/.*--port \\([0-9]*\\).*/\\1/')
+  echo "$port start $(date +%s.%N)" >>{times}
+  sleep 0.6; echo "[serve 00:00:00] healthy stand-in oracle after 1 s"; echo "$port up $(date +%s.%N)" >>{times}
+  sleep 0.6; exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "QLA_STAGE": str(tmp_path / "stage"),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "QLA_STRESS_SPLIT": slots,
+           "QLA_STRESS_ARGS": f"--engine {engine} --layers 4 --tp 2 --work-dir {tmp_path / 'work'}"}
+    r = subprocess.run(["bash", str(pathlib.Path(__file__).resolve().parents[1] / "scripts/gpu_session.sh"),
+                        "stress-split"], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out: dict[int, dict[str, float]] = {}
+    for line in times.read_text().splitlines():
+        port, what, t = line.split()
+        out.setdefault(int(port), {})[what] = float(t)
+    return out
+
+
+def test_sglang_slots_sharing_gpus_start_one_after_another(tmp_path):
+    """stress-split on SGLang: a slot whose GPUs an earlier slot uses starts once that slot's server is
+    up (SGLang sizes its pools from the memory free at its start), so both backends' oracles can share a
+    machine's GPU pairs in one call; slots on other GPUs start at once, and vLLM's are not held back."""
+    slots = "0,1:flashqla:oracle:1/2 2,3:flashqla:oracle:2/2 0,1:default:oracle:1/2 2,3:default:oracle:2/2"
+    t = _stress_split_with_stand_in(tmp_path, "sglang", slots)
+    assert sorted(t) == [8321, 8421, 8521, 8621]
+    assert abs(t[8421]["start"] - t[8321]["start"]) < 0.5  # GPUs 2,3 do not wait for 0,1
+    assert t[8521]["start"] >= t[8321]["up"]  # default 1/2 after flashqla 1/2 on GPUs 0,1
+    assert t[8621]["start"] >= t[8421]["up"]  # and 2/2 after flashqla 2/2 on GPUs 2,3
+    t = _stress_split_with_stand_in(tmp_path / "vllm", "vllm", slots)
+    assert max(v["start"] for v in t.values()) < min(v["up"] for v in t.values())
+
+
 def test_stress_slots_beside_their_oracle_wait_for_it(tmp_path):
     """gpu_session.sh stress-split: a stress slot beside an oracle slot of its backend starts no
     oracle server of its own (it waits for that one's tokens); one without such a slot makes its
