@@ -1258,6 +1258,47 @@ def profiles_markdown(meta: dict) -> list[str]:
 BOUND_MIN = 1.01  # below it, a point's own noise is larger than what the kernels allow
 
 
+def _kind_gdn_ms(pr: dict) -> dict[str, float] | None:
+    """A profile's GDN kernel time per step of each kind ("with prefill", "decode only") and the
+    count of each in its window: the recurrence per kind as measured, the other GDN parts (conv,
+    preparation: token-proportional, so a prefill's) on the prefill steps. None without both kinds."""
+    kinds = pr.get("steps_by_kind") or {}
+    p, d = kinds.get("with prefill"), kinds.get("decode only")
+    if not p or not d or not p.get("steps") or p.get("recurrence_ms") is None or d.get("recurrence_ms") is None:
+        return None
+    steps = p["steps"] + d["steps"]
+    parts = pr.get("gdn_ms_per_step") or {}
+    other = sum(v for k, v in parts.items() if not k.startswith("recurrence")) * steps
+    return {"prefill": p["recurrence_ms"] + other / p["steps"], "decode": d["recurrence_ms"],
+            "prefill_steps": p["steps"]}
+
+
+def request_bound(mine: list[dict], theirs: list[dict], row: dict | None, chunk: int | None) -> dict | None:
+    """At concurrency 1, what the GDN kernels allow for one request of the point: its prefill chunks
+    and decode steps (``output_len - 1``), each saving what ours saves on a step of that kind (the
+    profiles' steps by kind, median over a backend's servers), taken off the other backend's measured
+    request (mean TTFT plus the decode steps at its mean TPOT): ``bound = request / (request - saved)``,
+    and the TTFT it allows, ``(ttft - saved in the prefill) / ttft``. The chunk count is the prompt
+    over the engine's chunk size where the results hold it (SGLang's), else the profile window's
+    prefill steps (the window starts with the request and, holding both kinds, reached its decode).
+    The step bound weighs steps as the profile window holds them (20 steps of a 260-step request are
+    a fifth prefill); this one as the request does. None without both kinds in both profiles."""
+    if row is None or not mine or not theirs:
+        return None
+    m, t = [k for k in map(_kind_gdn_ms, mine) if k], [k for k in map(_kind_gdn_ms, theirs) if k]
+    if not m or not t or None in (row.get("mean_ttft_ms"), row.get("mean_tpot_ms"), row.get("output_len")):
+        return None
+    med = lambda ks, f: statistics.median(k[f] for k in ks)  # noqa: E731
+    chunks = med(t, "prefill_steps") if chunk is None else -(-row["input_len"] // chunk)
+    saved_prefill = chunks * (med(t, "prefill") - med(m, "prefill"))
+    saved = saved_prefill + (row["output_len"] - 1) * (med(t, "decode") - med(m, "decode"))
+    request = row["mean_ttft_ms"] + (row["output_len"] - 1) * row["mean_tpot_ms"]
+    ttft = row["mean_ttft_ms"]
+    return {"chunks": chunks, "saved_request_ms": saved, "request_ms": request,
+            "bound_request": request / (request - saved) if request > saved else None,
+            "bound_ttft": (ttft - saved_prefill) / ttft if ttft > saved_prefill else None}
+
+
 def kernel_bound(meta: dict, rows: list[dict], runs: list[dict] | None = None, ours: str = "flashqla") -> list[dict]:
     """What the GDN kernels allow at the profiled point (``--profile``), per built-in backend with a
     profile beside ours: the GDN kernel time per step ours saves against it, taken off its step,
@@ -1303,14 +1344,22 @@ def kernel_bound(meta: dict, rows: list[dict], runs: list[dict] | None = None, o
         else:
             measured, how = None, None
         b_step = bound(step)
+        chunk = next((b["capacity"].get("chunked_prefill_size") for b in meta.get("backends") or []
+                      if (b.get("resolved") or b["backend"]) == versus and b.get("capacity")), None)
+        per_request = request_bound(profiles[ours], prs, point.get(versus), chunk) if conc == 1 else None
+        # the share is of the bound that weighs the point's own steps: its requests' where known
+        b_share = (per_request or {}).get("bound_request") or b_step
         out.append({"workload": workload, "concurrency": conc, "versus": versus,
                     "gdn_ms_ours": mine, "gdn_ms_versus": theirs, "saved_ms": saved,
                     "gdn_host_us_ours": mine_host, "gdn_host_us_versus": med(prs, host),
                     "step_ms": step, "kernel_ms": kernels, "bound_step": b_step, "bound_gpu": bound(kernels),
+                    **({"bound_request": None, "bound_ttft": None} | (per_request or {})),
                     "measured": measured, "measured_from": how,
+                    "measured_ttft": (point[ours]["mean_ttft_ms"] / point[versus]["mean_ttft_ms"]
+                                      if ours in point and versus in point else None),
                     # a bound under 1% is below what one point can resolve: no share of it
-                    "reached": None if measured is None or b_step is None or b_step < BOUND_MIN
-                    else (measured - 1) / (b_step - 1)})
+                    "reached": None if measured is None or b_share is None or b_share < BOUND_MIN
+                    else (measured - 1) / (b_share - 1)})
     return out
 
 
@@ -1322,20 +1371,27 @@ def bound_markdown(meta: dict, rows: list[dict], runs: list[dict] | None = None)
     lines = [f"## What the GDN kernels allow ({meta['profile']})", "",
              "GDN kernel time per step (ms, first rank, median over a backend's servers) from the profiles; "
              "the time ours saves taken off the other backend's step period (bound) and off its GPU kernel "
-             "time alone (GPU-only bound, the most a step with no host time could gain); the measured gain in "
-             "total tok/s at this point (paired: measured together; medians: each backend's median) and the "
-             "share of the bound it reached. GDN host us: our op's host time per layer call (none where the "
-             "step replays a CUDA graph).", "",
+             "time alone (GPU-only bound, the most a step with no host time could gain); at concurrency 1 the "
+             "same for one request of the point (request bound: its prefill chunks and decode steps each saving "
+             "what ours saves on a step of that kind, taken off the other backend's measured request, TTFT "
+             "plus decode; TTFT bound: the lowest TTFT ratio the prefill's saving allows); the measured gain in "
+             "total tok/s at this point (paired: measured together; medians: each backend's median), its TTFT "
+             "ratio, and the share of the bound it reached (of the request bound where there is one). GDN host "
+             "us: our op's host time per layer call (none where the step replays a CUDA graph).", "",
              "| versus | GDN ms ours | GDN ms theirs | saved ms | their step ms | their kernels ms | bound | "
-             "GPU-only bound | measured | share of the bound | GDN host us ours / theirs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GPU-only bound | request bound | TTFT bound | measured | measured TTFT | share of the bound | "
+             "GDN host us ours / theirs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     x = lambda v: "—" if v is None else f"{v:.3f}x"  # noqa: E731
     for a in bounds:
+        b_share = a.get("bound_request") or a["bound_step"]
         share = (f"{100 * a['reached']:.0f}%" if a["reached"] is not None
-                 else "bound under 1%" if a["bound_step"] is not None and a["bound_step"] < BOUND_MIN else "—")
+                 else "bound under 1%" if b_share is not None and b_share < BOUND_MIN else "—")
         lines.append(f"| {a['versus']} | {fmt(a['gdn_ms_ours'], 3)} | {fmt(a['gdn_ms_versus'], 3)} | {fmt(a['saved_ms'], 3)} | "
                      f"{fmt(a['step_ms'], 3)} | {fmt(a['kernel_ms'], 3)} | {x(a['bound_step'])} | {x(a['bound_gpu'])} | "
-                     f"{x(a['measured'])}{'' if a['measured_from'] is None else ' (' + a['measured_from'] + ')'} | {share} | "
+                     f"{x(a.get('bound_request'))} | {x(a.get('bound_ttft'))} | "
+                     f"{x(a['measured'])}{'' if a['measured_from'] is None else ' (' + a['measured_from'] + ')'} | "
+                     f"{x(a.get('measured_ttft'))} | {share} | "
                      f"{fmt(a['gdn_host_us_ours'], 1)} / {fmt(a['gdn_host_us_versus'], 1)} |")
     return lines + [""]
 

@@ -1092,6 +1092,52 @@ def _profiled(backend, gdn, step, kernels, resolved=None, host_us=None, sample=1
         "gdn_ms_per_step": gdn, "gdn_op_host_us": {"calls": 0 if host_us is None else 6, "median": host_us}}}
 
 
+def test_at_concurrency_1_the_bound_weighs_the_steps_as_one_request_does():
+    """A profile window of 4 prefill and 16 decode steps weighs prefill as a fifth of the steps; a
+    32768-token request of 256 output tokens has 4 chunks and 255 decode steps. The request bound
+    takes what ours saves per step of each kind (the recurrence per kind, the other GDN parts on
+    the prefill steps) over the other backend's measured request (TTFT + 255 TPOTs), and the TTFT
+    the prefill's saving allows; the share of the bound is of it."""
+    def prof(backend, rec_p, rec_d, parts):
+        b = _profiled(backend, {"recurrence (prefill)": rec_p * 4 / 20, "recurrence (decode)": rec_d * 16 / 20, **parts},
+                      6.0, 3.0)
+        b["profile"]["steps_by_kind"] = {"with prefill": {"steps": 4, "recurrence_ms": rec_p},
+                                         "decode only": {"steps": 16, "recurrence_ms": rec_d}}
+        b["capacity"] = {"chunked_prefill_size": 8192}
+        return b
+
+    meta = {"profile": "long:1", "backends": [prof("flashqla", 1.0, 0.01, {"conv1d": 0.05}),
+                                              prof("triton", 2.0, 0.03, {"conv1d": 0.05, "post-conv prep": 0.02})]}
+    rows = [{"backend": b, "workload": "long", "concurrency": 1, "input_len": 32768, "output_len": 256,
+             "total_tok_s": tok, "mean_ttft_ms": ttft, "mean_tpot_ms": 3.0}
+            for b, tok, ttft in (("flashqla", 1014.0, 230.0), ("triton", 1000.0, 240.0))]
+    (t,) = serve.kernel_bound(meta, rows, [])
+    # per prefill step ours 1.0 + 0.05 * 20 / 4, theirs 2.0 + 0.07 * 20 / 4: 1.1 ms saved; per decode 0.02
+    saved = 4 * 1.1 + 255 * 0.02
+    assert t["chunks"] == 4 and t["saved_request_ms"] == pytest.approx(saved)
+    assert t["request_ms"] == pytest.approx(240.0 + 255 * 3.0)
+    assert t["bound_request"] == pytest.approx(1005.0 / (1005.0 - saved))
+    assert t["bound_ttft"] == pytest.approx((240.0 - 4.4) / 240.0) and t["measured_ttft"] == pytest.approx(230 / 240)
+    assert t["bound_request"] < serve.BOUND_MIN and t["reached"] is None  # under 1%: no share
+    assert t["bound_step"] > serve.BOUND_MIN  # the window's mix alone would have given one
+    md = "\n".join(serve.bound_markdown(meta, rows, []))
+    assert f"| {t['bound_request']:.3f}x | 0.982x | 1.014x (medians) | 0.958x | bound under 1% |" in md
+    # a larger decode saving clears 1%: the share is of the request bound
+    meta["backends"][1]["profile"]["steps_by_kind"]["decode only"]["recurrence_ms"] = 0.1
+    (t,) = serve.kernel_bound(meta, rows, [])
+    b = 1005.0 / (1005.0 - (4.4 + 255 * 0.09))
+    assert t["bound_request"] == pytest.approx(b) and t["reached"] == pytest.approx(0.014 / (b - 1))
+    # the engine's chunk size, where the results hold it, sets the chunks (16384: 2), else the window's
+    meta["backends"][1]["capacity"] = {"chunked_prefill_size": 16384}
+    assert serve.kernel_bound(meta, rows, [])[0]["chunks"] == 2
+    del meta["backends"][1]["capacity"]
+    assert serve.kernel_bound(meta, rows, [])[0]["chunks"] == 4
+    # a window without decode steps has no per-kind saving: the step bound alone
+    del meta["backends"][0]["profile"]["steps_by_kind"]["decode only"]
+    (t,) = serve.kernel_bound(meta, rows, [])
+    assert t["bound_request"] is None and t["reached"] == pytest.approx(0.014 / (t["bound_step"] - 1))
+
+
 def test_the_bound_is_the_gdn_time_ours_saves_taken_off_the_other_step():
     """Issue #24's bound at the profiled point: bound = step / (step - saved), saved the other
     backend's GDN kernel time per step less ours (all GDN parts, median over a backend's servers);
@@ -1120,7 +1166,8 @@ def test_the_bound_is_the_gdn_time_ours_saves_taken_off_the_other_step():
     assert f["bound_step"] == pytest.approx(21.0 / 20.0) and f["measured"] == pytest.approx(1050 / 1020)
     md = "\n".join(serve.bound_markdown(meta, serve.median_rows(runs), runs))
     assert "## What the GDN kernels allow (long:32)" in md
-    assert "| flashinfer | 1.700 | 2.700 | 1.000 | 21.000 | 16.000 | 1.050x | 1.067x | 1.029x (paired) | 59% |" in md
+    assert ("| flashinfer | 1.700 | 2.700 | 1.000 | 21.000 | 16.000 | 1.050x | 1.067x | — | — | 1.029x (paired) | "
+            "1.000x | 59% |") in md  # at concurrency 32 no request bound
     # without a lockstep the measured gain is the medians' ratio; a bound under 1% has no share
     solo = [{k: v for k, v in r.items() if k != "lockstep"} for r in runs]
     meta["backends"][2]["profile"]["gdn_ms_per_step"] = {"recurrence (prefill)": 1.8}
