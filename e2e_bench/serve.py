@@ -1288,7 +1288,9 @@ def request_bound(mine: list[dict], theirs: list[dict], row: dict | None, chunk:
     m, t = [k for k in map(_kind_gdn_ms, mine) if k], [k for k in map(_kind_gdn_ms, theirs) if k]
     if not m or not t or None in (row.get("mean_ttft_ms"), row.get("mean_tpot_ms"), row.get("output_len")):
         return None
-    med = lambda ks, f: statistics.median(k[f] for k in ks)  # noqa: E731
+    def med(ks: list[dict], f: str) -> float:
+        return statistics.median(k[f] for k in ks)
+
     chunks = med(t, "prefill_steps") if chunk is None else -(-row["input_len"] // chunk)
     saved_prefill = chunks * (med(t, "prefill") - med(m, "prefill"))
     saved = saved_prefill + (row["output_len"] - 1) * (med(t, "decode") - med(m, "decode"))
