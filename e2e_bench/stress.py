@@ -768,7 +768,10 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
                 save_part(work, k, backend, tag, [row], {})
             return None
         serve.log(f"start {backend} {tag}: {shlex.join(cmds[tag])}")
-        srv = serve.Server(cmds[tag], env, work / f"server-{backend}-{tag}.log", s.port)
+        # each oracle shard's server a log of its own (the shards' servers run side by side in one work directory)
+        i, n = args.oracle_shard
+        shard = f".shard-{i}-of-{n}" if tag == "oracle" and n > 1 else ""
+        srv = serve.Server(cmds[tag], env, work / f"server-{backend}-{tag}{shard}.log", s.port)
         if srv.start(budget.timeout(args.start_timeout)):
             serve.log(f"healthy {backend} {tag} after {time.monotonic() - srv.started:.0f} s")
             return srv
