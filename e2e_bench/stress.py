@@ -638,9 +638,14 @@ def has_part(work: pathlib.Path, key: str, backend: str, part: str) -> bool:
     return saved_for(part_path(work, backend, part), key) is not None
 
 
+def shard_suffix(shard: tuple[int, int]) -> str:
+    """What names one shard's files (``--oracle-shard I/N``): its oracle's, its server's log; "" whole."""
+    return f".shard-{shard[0]}-of-{shard[1]}" if shard != (1, 1) else ""
+
+
 def shard_path(work: pathlib.Path, backend: str, shard: tuple[int, int]) -> pathlib.Path:
     """Where one shard of ``backend``'s oracle is kept (``--oracle-shard I/N``)."""
-    return work / f"oracle-{backend}.shard-{shard[0]}-of-{shard[1]}.json"
+    return work / f"oracle-{backend}{shard_suffix(shard)}.json"
 
 
 def saved_oracle(work: pathlib.Path, backend: str, key: str) -> dict | None:
@@ -769,8 +774,7 @@ def run_backend(s: serve.Setup, backend: str, args, plan: dict, work: pathlib.Pa
             return None
         serve.log(f"start {backend} {tag}: {shlex.join(cmds[tag])}")
         # each oracle shard's server a log of its own (the shards' servers run side by side in one work directory)
-        i, n = args.oracle_shard
-        shard = f".shard-{i}-of-{n}" if tag == "oracle" and n > 1 else ""
+        shard = shard_suffix(args.oracle_shard) if tag == "oracle" else ""
         srv = serve.Server(cmds[tag], env, work / f"server-{backend}-{tag}{shard}.log", s.port)
         if srv.start(budget.timeout(args.start_timeout)):
             serve.log(f"healthy {backend} {tag} after {time.monotonic() - srv.started:.0f} s")
